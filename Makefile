@@ -1,0 +1,50 @@
+# verst: `make test` and `make demo` set up everything they need in .venv first.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch comes first so that nothing pulls a different build. CPU default; for CUDA or ROCm:
+#   make test TORCH_SPEC='torch==2.13.0' TORCH_PIP_ARGS='--index-url <PyTorch CUDA/ROCm wheel index>'
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+STAMP := $(VENV)/.verst-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint demo up proto bench clean
+
+setup: $(STAMP)
+
+# Reinstalls when pyproject.toml changes. --no-build-isolation: sdists (deepspeed)
+# build against the torch already installed instead of downloading another one.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet $(TORCH_SPEC) $(TORCH_PIP_ARGS)
+	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	@touch $@
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m 'not e2e and not slow' $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check services tests bench proto
+	$(BIN)/ruff format --check services tests bench proto
+
+demo: $(STAMP)
+	$(BIN)/verst demo
+
+up: $(STAMP)
+	$(BIN)/verst up
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/bus.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,302 @@
+"""The bus: serialized protos on Redis streams with consumer groups, at least once.
+
+Every entry has two fields: ``t``, the proto's full name, and ``d``, its bytes.
+A consumer reads new entries (XREADGROUP with a block timeout), processes them,
+and acks only after its work is committed. Entries pending on a consumer that
+died are reclaimed by another after an idle bound (XAUTOCLAIM). An entry that
+cannot be decoded, has the wrong type, was trimmed away before it was acked, or
+was delivered more than ``max_deliveries`` times goes to the dead-letter stream
+with its reason and original bytes, and is acked, so it never blocks the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError, Message
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.common.pb import common_pb2
+from services.common.streams import dead_letter_stream
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+TYPE_FIELD = b"t"
+DATA_FIELD = b"d"
+DEFAULT_MAXLEN = 1_000_000
+"""Approximate cap on a stream's length; consumed entries are trimmed well before it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Generic[M]):
+    """One decoded stream entry handed to a consumer."""
+
+    stream: str
+    entry_id: str
+    message: M
+    delivery_count: int
+    """1 on the first delivery; higher when the entry was reclaimed."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Rejected:
+    entry_id: str
+    reason: str
+    payload_type: str
+    payload: bytes
+    delivery_count: int
+
+
+def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
+    """An asyncio Redis client that retries dropped connections with backoff.
+
+    ``socket_timeout_s`` bounds every reply; it must exceed any block timeout.
+    """
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=5.0,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=6),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=15,
+    )
+
+
+def encode(message: Message) -> dict[bytes, bytes]:
+    """Stream entry fields for a proto message."""
+    return {TYPE_FIELD: message.DESCRIPTOR.full_name.encode(), DATA_FIELD: message.SerializeToString()}
+
+
+class Bus:
+    """Publish, consume, ack, reclaim and dead-letter protos on Redis streams."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        maxlen: int = DEFAULT_MAXLEN,
+        max_deliveries: int = 5,
+        block_limit_ms: int | None = None,
+    ) -> None:
+        if maxlen < 1 or max_deliveries < 1:
+            raise ValueError("maxlen and max_deliveries must be >= 1")
+        self.redis = client
+        self.maxlen = maxlen
+        self.max_deliveries = max_deliveries
+        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self.block_limit_ms = block_limit_ms or int(((timeout or 30.0) - 1.0) * 1000)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> Bus:
+        return cls(connect(url), **kwargs)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # -- producing -------------------------------------------------------
+
+    async def publish(self, stream: str, message: Message, *, maxlen: int | None = None) -> str:
+        """Append one message; returns its entry id."""
+        entry_id = await self.redis.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
+        return entry_id.decode()
+
+    async def publish_many(
+        self, stream: str, messages: Iterable[Message], *, maxlen: int | None = None
+    ) -> list[str]:
+        """Append messages in one round trip, in order; returns their entry ids."""
+        pipe = self.redis.pipeline(transaction=False)
+        for message in messages:
+            pipe.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
+        return [entry_id.decode() for entry_id in await pipe.execute()]
+
+    # -- consuming -------------------------------------------------------
+
+    async def ensure_group(self, stream: str, group: str, *, start_id: str = "0") -> bool:
+        """Create the consumer group (and the stream) unless it exists; True if created."""
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+            return False
+        return True
+
+    async def read(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        message_type: type[M],
+        *,
+        count: int = 100,
+        block_ms: int = 1000,
+    ) -> list[Delivery[M]]:
+        """New entries for this consumer, waiting at most ``block_ms`` for the first."""
+        if not 0 < block_ms <= self.block_limit_ms:
+            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        entries = reply[0][1] if reply else []
+        return await self._decode_all(stream, group, consumer, message_type, entries, {})
+
+    async def reclaim(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        message_type: type[M],
+        *,
+        min_idle_ms: int,
+        count: int = 100,
+    ) -> list[Delivery[M]]:
+        """Take over entries pending on other consumers for at least ``min_idle_ms``."""
+        _, entries, *_ = await self.redis.xautoclaim(
+            stream, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+        )
+        present = [(eid, fields) for eid, fields in entries if eid is not None]
+        if len(present) < len(entries):
+            await self._dead_letter_trimmed(stream, group, consumer, {eid for eid, _ in present})
+        if not present:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, _ in present:
+            pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        counts = {
+            rows[0]["message_id"]: int(rows[0]["times_delivered"]) for rows in await pipe.execute() if rows
+        }
+        return await self._decode_all(stream, group, consumer, message_type, present, counts)
+
+    async def ack(self, stream: str, group: str, entry_ids: Sequence[str]) -> int:
+        """Acknowledge processed entries; returns how many were pending."""
+        if not entry_ids:
+            return 0
+        return int(await self.redis.xack(stream, group, *entry_ids))
+
+    async def dead_letter(
+        self, stream: str, group: str, consumer: str, delivery: Delivery[Any], reason: str
+    ) -> None:
+        """Move a delivered entry that its consumer cannot process to the dead-letter stream."""
+        rejected = _Rejected(
+            delivery.entry_id,
+            reason,
+            delivery.message.DESCRIPTOR.full_name,
+            delivery.message.SerializeToString(),
+            delivery.delivery_count,
+        )
+        await self._dead_letter_all(stream, group, consumer, [rejected])
+
+    # -- housekeeping ----------------------------------------------------
+
+    async def pending_count(self, stream: str, group: str) -> int:
+        summary = await self.redis.xpending(stream, group)
+        return int(summary["pending"])
+
+    async def trim_consumed(self, stream: str) -> int:
+        """Delete entries every group has acked; returns how many were deleted.
+
+        Safe with MINID: nothing at or after a group's oldest pending entry (or
+        its last delivered one) is touched.
+        """
+        groups = await self.redis.xinfo_groups(stream)
+        if not groups:
+            return 0
+        bounds = []
+        for info in groups:
+            if int(info["pending"]):
+                summary = await self.redis.xpending(stream, info["name"])
+                bounds.append(_id_key(summary["min"]))
+            else:
+                bounds.append(_id_key(info["last-delivered-id"]))
+        low = min(bounds)
+        if low == (0, 0):
+            return 0
+        return int(await self.redis.xtrim(stream, minid=f"{low[0]}-{low[1]}", approximate=False))
+
+    # -- internals -------------------------------------------------------
+
+    async def _decode_all(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        message_type: type[M],
+        entries: Sequence[tuple[bytes, dict[bytes, bytes]]],
+        delivery_counts: dict[bytes, int],
+    ) -> list[Delivery[M]]:
+        expected = message_type.DESCRIPTOR.full_name
+        good: list[Delivery[M]] = []
+        bad: list[_Rejected] = []
+        for raw_id, fields in entries:
+            entry_id = raw_id.decode()
+            count = delivery_counts.get(raw_id, 1)
+            payload_type = fields.get(TYPE_FIELD, b"").decode(errors="replace")
+            payload = fields.get(DATA_FIELD, b"")
+            reason = ""
+            if count > self.max_deliveries:
+                reason = f"delivered {count} times without an ack (max_deliveries={self.max_deliveries})"
+            elif payload_type != expected:
+                reason = f"payload type {payload_type!r} is not the expected {expected!r}"
+            else:
+                try:
+                    good.append(Delivery(stream, entry_id, message_type.FromString(payload), count))
+                    continue
+                except DecodeError as err:
+                    reason = f"undecodable {expected} payload: {err}"
+            bad.append(_Rejected(entry_id, reason, payload_type, payload, count))
+        if bad:
+            await self._dead_letter_all(stream, group, consumer, bad)
+        return good
+
+    async def _dead_letter_all(
+        self, stream: str, group: str, consumer: str, rejected: Sequence[_Rejected]
+    ) -> None:
+        """Write dead letters and ack the originals atomically."""
+        dead_stream = dead_letter_stream(stream)
+        pipe = self.redis.pipeline(transaction=True)
+        for item in rejected:
+            letter = common_pb2.DeadLetter(
+                source_stream=stream,
+                entry_id=item.entry_id,
+                group=group,
+                consumer=consumer,
+                reason=item.reason,
+                payload_type=item.payload_type,
+                payload=item.payload,
+                delivery_count=item.delivery_count,
+            )
+            letter.dead_at.GetCurrentTime()
+            pipe.xadd(dead_stream, encode(letter), maxlen=self.maxlen)
+            pipe.xack(stream, group, item.entry_id)
+            log.warning("dead-lettered %s %s to %s: %s", stream, item.entry_id, dead_stream, item.reason)
+        await pipe.execute()
+
+    async def _dead_letter_trimmed(self, stream: str, group: str, consumer: str, claimed: set[bytes]) -> None:
+        """XAUTOCLAIM on Redis 6.2 returns a nil entry, without its id, for an entry
+        that was trimmed while pending. Find those ids in our pending list and
+        dead-letter them, so that the loss is recorded rather than silent."""
+        rows = await self.redis.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
+        candidates = [row["message_id"] for row in rows if row["message_id"] not in claimed]
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in candidates:
+            pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
+        gone = [eid for eid, found in zip(candidates, await pipe.execute(), strict=True) if not found]
+        reason = "entry was trimmed from the stream (MAXLEN cap) before it was acked"
+        await self._dead_letter_all(
+            stream, group, consumer, [_Rejected(eid.decode(), reason, "", b"", 0) for eid in gone]
+        )
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

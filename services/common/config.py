@@ -1,0 +1,236 @@
+"""The JobSpec: everything a user says about one training job, typed and bounded.
+
+Load it from YAML with ``load_job_spec(path)`` or from a dict with
+``JobSpec.model_validate``. Unknown keys and bad values fail with
+``JobSpecError``, whose message names each offending field by its dotted path
+(``rollout.max_new_tokens: Input should be greater than or equal to 1``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+"""Advantage estimators that compare samples within a group, so need n >= 2."""
+
+
+class Section(BaseModel):
+    """Base of every JobSpec section: unknown keys are errors, docstrings document fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("builtin:addition", min_length=1)
+    """Local Hugging Face model directory, or `builtin:<name>` for a model verst prepares."""
+    tokenizer: str | None = None
+    """Tokenizer directory when it differs from `path`."""
+    gguf_file: str | None = None
+    """GGUF file name inside `path`, for models shipped as GGUF."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for rollout and training."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (off: only transformers' own classes)."""
+
+
+class DataConfig(Section):
+    train: str = Field("builtin:addition", min_length=1)
+    """Training prompts: a JSONL file, or `builtin:<task>` for a synthetic task."""
+    eval: str | None = "builtin:addition"
+    """Held-out prompts for evaluation (same forms as `train`); null disables evaluation data."""
+    prompt_field: str = "prompt"
+    """JSONL key holding the prompt text."""
+    answer_field: str = "answer"
+    """JSONL key holding the reference answer."""
+    max_prompt_tokens: int = Field(512, ge=1, le=1_048_576)
+    """Prompts longer than this (in tokens) are rejected when read."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by the job's seed)."""
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Advantage estimator."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Policy loss: token-level clipped ratio, or GSPO's sequence-level ratio."""
+    group_size: int = Field(8, ge=1, le=1024)
+    """Responses sampled per prompt (the GRPO group, n)."""
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower clip range: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0.0, le=10.0)
+    """Upper clip range: the ratio is clipped above at 1 + clip_high (clip-higher when > clip_low)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip bound c on negative-advantage tokens; null disables it."""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How token losses combine: over all tokens, per sequence then mean, or Dr.GRPO's constant."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to the frozen reference model; 0 disables the reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 is the low-variance one)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+    tis_cap: float | None = Field(None, gt=0.0)
+    """Cap of truncated importance sampling between engine and trainer logprobs; null disables."""
+    max_staleness: int = Field(1, ge=0, le=1000)
+    """How many policy versions a token may lag the trainer and still be trained on."""
+    stale_policy: Literal["drop", "downweight"] = "drop"
+    """What happens to samples older than max_staleness."""
+    filter_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (no learning signal)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for GAE."""
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    """Lambda for GAE."""
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_estimators_need_groups(cls, value: int, info: ValidationInfo) -> int:
+        advantage = info.data.get("advantage")
+        if advantage in GROUP_ESTIMATORS and value < 2:
+            raise ValueError(f"must be >= 2 for the {advantage!r} estimator")
+        return value
+
+
+class RolloutConfig(Section):
+    backend: Literal["torch", "sglang"] = "torch"
+    """Generation backend of the engines."""
+    prompts_per_step: int = Field(8, ge=1, le=65_536)
+    """Prompts (groups) per trainer step."""
+    max_new_tokens: int = Field(64, ge=1, le=65_536)
+    """Longest response, in tokens, before the engine stops a sample."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature for training rollouts (0 is greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling; 0 disables it."""
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    """Stop strings."""
+    max_turns: int = Field(1, ge=1, le=256)
+    """Model turns per episode; above 1 the runner executes tool calls between turns."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools a multi-turn episode may call, by name."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_need_turns(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if value and info.data.get("max_turns", 1) < 2:
+            raise ValueError("tools need max_turns >= 2 (a tool result needs a next turn)")
+        return value
+
+    weight_update: Literal["continue", "abort"] = "continue"
+    """In-flight requests on new weights: keep decoding, or abort and resume (partial rollout)."""
+    request_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """Deadline of one Generate call."""
+
+
+class RewardConfig(Section):
+    address: str | None = None
+    """host:port of a Reward service; null means the one verst runs."""
+    verifier: str = Field("addition", min_length=1)
+    """Verifier name in the reward service."""
+    plugin: str | None = Field(None, pattern=r"^[\w.]+:[\w]+$")
+    """User reward function as `module:function`, instead of a built-in verifier."""
+    timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Deadline of one Score call."""
+
+
+class TrainerConfig(Section):
+    steps: int = Field(20, ge=1, le=10_000_000)
+    """Optimiser steps (one per rollout batch) before the job succeeds."""
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps of the schedule."""
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Gradient clipping norm; null disables clipping."""
+    zero_stage: int = Field(1, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    micro_batch_tokens: int = Field(8192, ge=16)
+    """Token budget of one micro-batch (dynamic batching packs to it)."""
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over each rollout batch."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimiser steps per pass over a rollout batch."""
+    checkpoint_dir: str = "runs"
+    """Where checkpoints are written (a volume shared with the engines)."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """How many recent checkpoints to keep."""
+    deepspeed: dict[str, Any] | None = None
+    """Raw DeepSpeed config merged over the one derived from this section."""
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(5, ge=0)
+    """Held-out evaluation every K steps (0: only at the start and the end)."""
+    num_prompts: int = Field(128, ge=1)
+    """Held-out prompts per evaluation."""
+    at_start: bool = True
+    """Evaluate the base model (version 0) before training."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Response budget for evaluation; null means the rollout's."""
+
+
+class JobSpec(Section):
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][\w.-]*$")
+    """Human-readable job name (letters, digits, `_`, `.`, `-`)."""
+    seed: int = Field(0, ge=0)
+    """Seed for data order, sampling and initialisation."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Which model to train."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Where prompts and reference answers come from."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantage estimator, policy loss and their knobs."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """How responses are sampled."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """How responses are scored."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimisation, DeepSpeed and checkpoints."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation schedule."""
+
+
+class JobSpecError(ValueError):
+    """A JobSpec failed validation; the message lists each field path and what is wrong."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str = "job spec") -> None:
+        self.errors = errors
+        lines = "\n".join(f"  {path}: {message}" for path, message in errors)
+        super().__init__(f"invalid {source}:\n{lines}")
+
+
+def _field_path(location: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in location) or "(root)"
+
+
+def parse_job_spec(data: Any, source: str = "job spec") -> JobSpec:
+    """Validate a mapping (from YAML or JSON) as a JobSpec; raises JobSpecError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobSpecError([("(root)", f"expected a mapping, got {type(data).__name__}")], source)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        errors = [(_field_path(e["loc"]), e["msg"]) for e in err.errors()]
+        raise JobSpecError(errors, source) from None
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Read a JobSpec from a YAML file; raises JobSpecError naming each bad field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise JobSpecError([("(yaml)", str(err))], str(path)) from None
+    return parse_job_spec(data, str(path))

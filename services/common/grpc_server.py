@@ -1,0 +1,81 @@
+"""Run a gRPC service: health checking, graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.common.settings import ServiceSettings, load_settings, setup_logging
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+"""Large enough for a batch of long trajectories in one ScoreBatch or Generate reply."""
+
+Register = Callable[[grpc.aio.Server], Iterable[str]]
+"""Adds servicers to a server and returns their full service names (for health)."""
+
+
+def shutdown_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def serve(
+    settings: ServiceSettings,
+    register: Register | None = None,
+    *,
+    background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let calls finish, and return.
+
+    ``background`` runs beside the server (a consumer loop, say) and receives
+    the shutdown event; it must return soon after the event is set.
+    """
+    stop = shutdown_event()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(register(server)) if register else []
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s:%d", settings.service_name, settings.host, port)
+    worker = asyncio.create_task(background(stop)) if background else None
+    await stop.wait()
+    log.info("%s shutting down", settings.service_name)
+    await health_servicer.enter_graceful_shutdown()
+    if worker is not None:
+        try:
+            await asyncio.wait_for(worker, timeout=settings.shutdown_grace_s)
+        except TimeoutError:
+            log.warning("background work did not stop within %.1fs; cancelled", settings.shutdown_grace_s)
+    await server.stop(settings.shutdown_grace_s)
+    log.info("%s stopped", settings.service_name)
+
+
+def run(settings: ServiceSettings, register: Register | None = None) -> None:
+    """Blocking entry point for a service's ``__main__``."""
+    asyncio.run(serve(settings, register))
+
+
+def main(settings_type: type[ServiceSettings], register: Register | None = None) -> None:
+    """A service's whole ``__main__``: settings from the environment, logging, serve."""
+    settings = load_settings(settings_type)
+    setup_logging(settings.service_name, settings.log_level)
+    run(settings, register)

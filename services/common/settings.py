@@ -1,0 +1,67 @@
+"""Process settings shared by every service, read from environment variables.
+
+Each service subclasses ``ServiceSettings`` with its own prefix
+(``VERST_ROUTER_PORT``, ``VERST_REWARD_PORT``, ...). ``REDIS_URL`` and
+``VERST_LOG_LEVEL`` are shared by all. compose/ uses exactly these names.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import ClassVar, TypeVar
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+S = TypeVar("S", bound="ServiceSettings")
+
+
+class ServiceSettings(BaseSettings):
+    """Settings every service has. Subclasses set ``env_prefix`` and a default port."""
+
+    model_config = SettingsConfigDict(env_prefix="VERST_", extra="ignore", use_attribute_docstrings=True)
+    service_name: ClassVar[str] = "verst"
+
+    host: str = "127.0.0.1"
+    """Interface to listen on (0.0.0.0 inside containers)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to listen on; 0 picks a free one."""
+    redis_url: str | None = Field(None, validation_alias=AliasChoices("REDIS_URL"))
+    """Redis server, e.g. redis://localhost:6379/0; `verst up` sets it."""
+    log_level: str = Field(
+        "INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", validation_alias=AliasChoices("VERST_LOG_LEVEL")
+    )
+    """Log level: DEBUG, INFO, WARNING or ERROR."""
+    shutdown_grace_s: float = Field(5.0, ge=0.0, le=600.0)
+    """Seconds that in-flight calls get to finish after SIGTERM."""
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        """The environment variable that sets ``field``."""
+        alias = cls.model_fields[field].validation_alias
+        if isinstance(alias, AliasChoices):
+            return str(alias.choices[0])
+        return f"{cls.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def load_settings(cls: type[S]) -> S:
+    """Read settings from the environment; on a bad value, exit naming the variable."""
+    try:
+        return cls()
+    except ValidationError as err:
+        for error in err.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            name = cls.env_name(field) if field in cls.model_fields else field
+            print(f"{cls.service_name}: invalid setting {name}: {error['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    """One readable line per event, prefixed with the service, on stderr."""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)-7s {service} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )

@@ -1,0 +1,54 @@
+"""Names of the Redis streams and consumer groups: the one place they are spelled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "verst"
+JOBS = f"{PREFIX}:jobs"
+"""Submitted jobs (JobSubmission); trainers claim them through a consumer group."""
+DEAD = f"{PREFIX}:dead"
+"""Dead letters of streams that belong to no job."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobStreams:
+    """The streams of one job: ``verst:job:{id}:<kind>``."""
+
+    job_id: str
+
+    def _key(self, kind: str) -> str:
+        return f"{PREFIX}:job:{self.job_id}:{kind}"
+
+    @property
+    def prompts(self) -> str:
+        """PromptTasks from the controller to the rollout runners."""
+        return self._key("prompts")
+
+    @property
+    def trajectories(self) -> str:
+        """Trajectories from the runners to the trainer."""
+        return self._key("trajectories")
+
+    @property
+    def checkpoints(self) -> str:
+        """CheckpointHandles from the trainer to the engines."""
+        return self._key("checkpoints")
+
+    @property
+    def metrics(self) -> str:
+        """Metrics from every service to the api."""
+        return self._key("metrics")
+
+    @property
+    def dead(self) -> str:
+        """DeadLetters: entries of this job that could not be processed."""
+        return self._key("dead")
+
+
+def dead_letter_stream(stream: str) -> str:
+    """The dead-letter stream for entries of ``stream``: the job's own, else the global one."""
+    parts = stream.split(":")
+    if len(parts) == 4 and parts[0] == PREFIX and parts[1] == "job":
+        return JobStreams(parts[2]).dead
+    return DEAD

@@ -1,0 +1,205 @@
+"""The bus against a real Redis server: delivery, reclaim, dead letters, ordering, trimming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.bus import DATA_FIELD, TYPE_FIELD, Bus, encode
+from services.common.consumer import StreamConsumer
+from services.common.pb import common_pb2
+from services.common.streams import JobStreams
+
+STREAMS = JobStreams("job-1")
+GROUP = "trainer"
+
+
+def trajectory(i: int) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(
+        id=f"traj-{i}",
+        job_id="job-1",
+        prompt_id=f"p-{i // 4}",
+        sample_index=i % 4,
+        response_token_ids=[i, i + 1, i + 2],
+        behaviour_logprobs=[-0.5, -1.0, -1.5],
+        loss_mask=[True, True, False],
+        policy_versions=[3, 3, 4],
+        reward=float(i),
+    )
+
+
+async def dead_letters(bus: Bus, stream: str) -> list[common_pb2.DeadLetter]:
+    entries = await bus.redis.xrange(stream)
+    return [common_pb2.DeadLetter.FromString(fields[DATA_FIELD]) for _, fields in entries]
+
+
+async def test_at_least_once_unacked_entries_are_redelivered(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    await bus.publish_many(stream, [trajectory(i) for i in range(10)])
+
+    first = await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=10, block_ms=100)
+    assert [d.message.id for d in first] == [f"traj-{i}" for i in range(10)]
+    assert all(d.delivery_count == 1 for d in first)
+    # "a" never acks. A fresh read gives nothing new, but after the idle bound another consumer
+    # gets every entry again, with its delivery count raised.
+    assert await bus.read(stream, GROUP, "b", common_pb2.Trajectory, block_ms=50) == []
+    await asyncio.sleep(0.06)
+    again = await bus.reclaim(stream, GROUP, "b", common_pb2.Trajectory, min_idle_ms=50)
+    assert [d.message for d in again] == [d.message for d in first]
+    assert all(d.delivery_count == 2 for d in again)
+
+    assert await bus.ack(stream, GROUP, [d.entry_id for d in again]) == 10
+    assert await bus.pending_count(stream, GROUP) == 0
+    await asyncio.sleep(0.06)
+    assert await bus.reclaim(stream, GROUP, "c", common_pb2.Trajectory, min_idle_ms=50) == []
+
+
+async def test_reclaim_leaves_entries_of_live_consumers(bus: Bus) -> None:
+    stream = STREAMS.prompts
+    await bus.ensure_group(stream, GROUP)
+    await bus.publish(stream, common_pb2.PromptTask(prompt_id="p"))
+    await bus.read(stream, GROUP, "a", common_pb2.PromptTask, block_ms=100)
+    assert await bus.reclaim(stream, GROUP, "b", common_pb2.PromptTask, min_idle_ms=60_000) == []
+    assert await bus.pending_count(stream, GROUP) == 1
+
+
+async def test_ensure_group_is_idempotent(bus: Bus) -> None:
+    assert await bus.ensure_group(STREAMS.metrics, GROUP) is True
+    assert await bus.ensure_group(STREAMS.metrics, GROUP) is False
+    assert await bus.ensure_group(STREAMS.metrics, "other") is True
+
+
+async def test_poisoned_entries_are_dead_lettered_and_do_not_block(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    await bus.publish(stream, trajectory(0))
+    garbage_id = (
+        await bus.redis.xadd(stream, {TYPE_FIELD: b"verst.v1.Trajectory", DATA_FIELD: b"\xff\xff\xff"})
+    ).decode()
+    wrong_type_id = await bus.publish(stream, common_pb2.Metric(job_id="job-1"))
+    no_fields_id = (await bus.redis.xadd(stream, {b"x": b"1"})).decode()
+    await bus.publish(stream, trajectory(1))
+
+    got = await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=10, block_ms=100)
+    assert [d.message.id for d in got] == ["traj-0", "traj-1"]
+    # Only the two good entries wait for an ack: the poisoned ones were acked with their dead letter.
+    assert await bus.pending_count(stream, GROUP) == 2
+
+    letters = await dead_letters(bus, STREAMS.dead)
+    assert [letter.entry_id for letter in letters] == [garbage_id, wrong_type_id, no_fields_id]
+    garbage, wrong, missing = letters
+    assert "undecodable verst.v1.Trajectory payload" in garbage.reason
+    assert garbage.payload == b"\xff\xff\xff"
+    assert garbage.source_stream == stream and garbage.group == GROUP and garbage.consumer == "a"
+    assert "'verst.v1.Metric' is not the expected 'verst.v1.Trajectory'" in wrong.reason
+    assert common_pb2.Metric.FromString(wrong.payload).job_id == "job-1"
+    assert "'' is not the expected" in missing.reason
+    assert garbage.dead_at.seconds > 0
+
+
+async def test_entry_delivered_too_often_is_dead_lettered(bus: Bus) -> None:
+    """An entry that crashes every consumer that takes it must not circulate forever."""
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    await bus.publish(stream, trajectory(7))
+    await bus.read(stream, GROUP, "c0", common_pb2.Trajectory, block_ms=100)
+    for attempt in range(2, bus.max_deliveries + 1):
+        await asyncio.sleep(0.02)
+        again = await bus.reclaim(stream, GROUP, f"c{attempt}", common_pb2.Trajectory, min_idle_ms=10)
+        assert [d.delivery_count for d in again] == [attempt]
+    await asyncio.sleep(0.02)
+    assert await bus.reclaim(stream, GROUP, "last", common_pb2.Trajectory, min_idle_ms=10) == []
+
+    (letter,) = await dead_letters(bus, STREAMS.dead)
+    assert letter.reason == f"delivered {bus.max_deliveries + 1} times without an ack (max_deliveries=3)"
+    assert common_pb2.Trajectory.FromString(letter.payload).id == "traj-7"
+    assert await bus.pending_count(stream, GROUP) == 0
+    # The stream keeps flowing.
+    await bus.publish(stream, trajectory(8))
+    after = await bus.read(stream, GROUP, "last", common_pb2.Trajectory, block_ms=100)
+    assert [d.message.id for d in after] == ["traj-8"]
+
+
+async def test_consumer_can_dead_letter_what_it_cannot_process(bus: Bus) -> None:
+    consumer = StreamConsumer(bus, STREAMS.trajectories, GROUP, "a", common_pb2.Trajectory, block_ms=100)
+    await bus.publish(STREAMS.trajectories, trajectory(1))  # before the group exists: group starts at 0
+    (delivery,) = await consumer.poll()
+    await consumer.dead_letter(delivery, "reward_error set: verifier crashed")
+    (letter,) = await dead_letters(bus, STREAMS.dead)
+    assert letter.reason == "reward_error set: verifier crashed"
+    assert letter.delivery_count == 1
+    assert await bus.pending_count(STREAMS.trajectories, GROUP) == 0
+
+
+async def test_entry_trimmed_while_pending_is_dead_lettered_not_lost(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    ids = await bus.publish_many(stream, [trajectory(i) for i in range(3)])
+    await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=3, block_ms=100)
+    await bus.redis.xtrim(stream, maxlen=1, approximate=False)  # drops the first two, still pending
+    await asyncio.sleep(0.02)
+    survivors = await bus.reclaim(stream, GROUP, "b", common_pb2.Trajectory, min_idle_ms=10)
+    assert [d.entry_id for d in survivors] == [ids[2]]
+    letters = await dead_letters(bus, STREAMS.dead)
+    assert sorted(letter.entry_id for letter in letters) == sorted(ids[:2])
+    assert all("trimmed" in letter.reason for letter in letters)
+    assert await bus.pending_count(stream, GROUP) == 1
+
+
+async def test_per_stream_order_is_kept(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    for start in range(0, 500, 50):
+        await bus.publish_many(stream, [trajectory(i) for i in range(start, start + 50)])
+    await bus.publish(STREAMS.prompts, common_pb2.PromptTask(prompt_id="other stream"))
+    seen: list[str] = []
+    while batch := await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=37, block_ms=50):
+        seen += [d.message.id for d in batch]
+        await bus.ack(stream, GROUP, [d.entry_id for d in batch])
+    assert seen == [f"traj-{i}" for i in range(500)]
+
+
+async def test_block_timeout_is_a_deadline(bus: Bus) -> None:
+    await bus.ensure_group(STREAMS.prompts, GROUP)
+    start = time.monotonic()
+    assert await bus.read(STREAMS.prompts, GROUP, "a", common_pb2.PromptTask, block_ms=200) == []
+    assert 0.15 < time.monotonic() - start < 2.0
+    with pytest.raises(ValueError, match="block_ms"):
+        await bus.read(STREAMS.prompts, GROUP, "a", common_pb2.PromptTask, block_ms=10**7)
+
+
+async def test_publish_caps_stream_length(bus: Bus) -> None:
+    stream = STREAMS.metrics
+    for _ in range(5):
+        await bus.publish_many(stream, [common_pb2.Metric(step=i) for i in range(200)], maxlen=100)
+    # Approximate trimming removes whole nodes: the length stays near the cap, never unbounded.
+    assert 100 <= await bus.redis.xlen(stream) < 300
+
+
+async def test_trim_consumed_deletes_only_what_every_group_acked(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, "trainer")
+    await bus.ensure_group(stream, "auditor")
+    ids = await bus.publish_many(stream, [trajectory(i) for i in range(10)])
+    assert await bus.trim_consumed(stream) == 0
+
+    trainer = await bus.read(stream, "trainer", "t", common_pb2.Trajectory, count=10, block_ms=50)
+    await bus.ack(stream, "trainer", [d.entry_id for d in trainer])
+    auditor = await bus.read(stream, "auditor", "a", common_pb2.Trajectory, count=6, block_ms=50)
+    await bus.ack(stream, "auditor", [d.entry_id for d in auditor[:4]])  # 4, 5 still pending
+
+    assert await bus.trim_consumed(stream) == 4
+    remaining = [eid.decode() for eid, _ in await bus.redis.xrange(stream)]
+    assert remaining == ids[4:]
+
+
+async def test_publish_many_and_encode_round_trip(bus: Bus) -> None:
+    handle = common_pb2.CheckpointHandle(job_id="j", version=2, uri="file:///ckpt/v2", sha256="ab" * 32)
+    (entry_id,) = await bus.publish_many(STREAMS.checkpoints, [handle])
+    ((got_id, fields),) = await bus.redis.xrange(STREAMS.checkpoints)
+    assert got_id.decode() == entry_id
+    assert fields == encode(handle)
+    assert common_pb2.CheckpointHandle.FromString(fields[DATA_FIELD]) == handle

@@ -1,0 +1,121 @@
+"""Every service module starts, answers health, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.redis_server import free_port
+
+GRPC_SERVICES = [
+    (["services.router"], "VERST_ROUTER_PORT"),
+    (["services.reward"], "VERST_REWARD_PORT"),
+    (["services.trainer"], "VERST_TRAINER_PORT"),
+    (["services.rollout"], "VERST_ENGINE_PORT"),
+    (["services.rollout", "engine"], "VERST_ENGINE_PORT"),
+    (["services.rollout", "runner"], "VERST_RUNNER_PORT"),
+]
+DEADLINE_S = 30.0
+
+
+def start(
+    python: str, env: dict[str, str], module: list[str], port_var: str
+) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [python, "-m", *module],
+        env={**env, port_var: str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, port
+
+
+def grpc_health(port: int) -> int:
+    """The health status, retrying until the deadline while the server starts."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"did not stop within 20s of SIGTERM:\n{output}")
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize(
+    ("module", "port_var"), GRPC_SERVICES, ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_grpc_service_lifecycle(
+    python: str, python_env: dict[str, str], module: list[str], port_var: str
+) -> None:
+    proc, port = start(python, python_env, module, port_var)
+    try:
+        assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        code, output = stop(proc)
+    assert code == 0, output
+    assert "stopped" in output
+
+
+def test_api_lifecycle(python: str, python_env: dict[str, str]) -> None:
+    proc, port = start(python, python_env, ["services.api"], "VERST_API_PORT")
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert response.status_code == 200
+        assert response.json() == {"status": "ok", "service": "api"}
+    finally:
+        code, output = stop(proc)
+    assert code == 0, output
+
+
+def test_bad_setting_names_the_variable(python: str, python_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [python, "-m", "services.router"],
+        env={**python_env, "VERST_ROUTER_PORT": "70000"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "VERST_ROUTER_PORT" in result.stderr and "less than or equal to 65535" in result.stderr
+
+
+def test_unknown_rollout_role_is_refused(python: str, python_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [python, "-m", "services.rollout", "trainer"],
+        env=python_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "usage: python -m services.rollout [engine|runner]" in result.stderr
