@@ -120,6 +120,17 @@ class Bus:
             pipe.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
         return [entry_id.decode() for entry_id in await pipe.execute()]
 
+    async def latest(self, stream: str, message_type: type[M]) -> M | None:
+        """The newest message of a stream, without a consumer group (e.g. the latest
+        checkpoint handle: every engine wants it, none consumes it). None when empty."""
+        entries = await self.redis.xrevrange(stream, count=1)
+        if not entries:
+            return None
+        _, fields = entries[0]
+        if fields.get(TYPE_FIELD, b"").decode(errors="replace") != message_type.DESCRIPTOR.full_name:
+            raise TypeError(f"newest entry of {stream} is not a {message_type.DESCRIPTOR.full_name}")
+        return message_type.FromString(fields[DATA_FIELD])
+
     # -- consuming -------------------------------------------------------
 
     async def ensure_group(self, stream: str, group: str, *, start_id: str = "0") -> bool:

@@ -65,3 +65,13 @@ def setup_logging(service: str, level: str = "INFO") -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+
+
+def require_redis_url(settings: ServiceSettings) -> str:
+    """The Redis URL, or exit with a message that says how to provide one."""
+    if not settings.redis_url:
+        raise SystemExit(
+            f"{settings.service_name}: REDIS_URL is not set: start everything with `verst up`, "
+            "or point REDIS_URL at a Redis server"
+        )
+    return settings.redis_url

@@ -9,6 +9,17 @@ JOBS = f"{PREFIX}:jobs"
 """Submitted jobs (JobSubmission); trainers claim them through a consumer group."""
 DEAD = f"{PREFIX}:dead"
 """Dead letters of streams that belong to no job."""
+JOB_INDEX = f"{PREFIX}:jobs:index"
+"""Sorted set of job ids by submission time."""
+ENGINES = f"{PREFIX}:engines"
+"""Hash: engine id -> serialized EngineInfo (the registry the router reads)."""
+ENGINE_HEARTBEATS = f"{PREFIX}:engines:heartbeat"
+"""Sorted set: engine id -> unix time of its last heartbeat."""
+
+
+def job_key(job_id: str) -> str:
+    """Hash holding one job's record (written by the api's controller only)."""
+    return f"{PREFIX}:job:{job_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +50,11 @@ class JobStreams:
     def metrics(self) -> str:
         """Metrics from every service to the api."""
         return self._key("metrics")
+
+    @property
+    def status(self) -> str:
+        """JobStatus reports from the trainer (succeeded, failed) to the controller."""
+        return self._key("status")
 
     @property
     def dead(self) -> str:

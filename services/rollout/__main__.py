@@ -2,10 +2,6 @@
 
 import sys
 
-from services.common.grpc_server import main
-from services.rollout.config import EngineSettings, RunnerSettings
-from services.rollout.server import register
-
 ROLES = ("engine", "runner")
 
 if __name__ == "__main__":
@@ -13,6 +9,7 @@ if __name__ == "__main__":
     if role not in ROLES or len(sys.argv) > 2:
         sys.exit(f"usage: python -m services.rollout [{'|'.join(ROLES)}]")
     if role == "engine":
-        main(EngineSettings, register)
+        from services.rollout.server import main
     else:
-        main(RunnerSettings)
+        from services.rollout.runner import main
+    main()

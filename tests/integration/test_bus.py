@@ -203,3 +203,14 @@ async def test_publish_many_and_encode_round_trip(bus: Bus) -> None:
     assert got_id.decode() == entry_id
     assert fields == encode(handle)
     assert common_pb2.CheckpointHandle.FromString(fields[DATA_FIELD]) == handle
+
+
+async def test_latest_reads_the_newest_message_without_a_group(bus: Bus) -> None:
+    stream = STREAMS.checkpoints
+    assert await bus.latest(stream, common_pb2.CheckpointHandle) is None
+    for version in range(3):
+        await bus.publish(stream, common_pb2.CheckpointHandle(version=version))
+    latest = await bus.latest(stream, common_pb2.CheckpointHandle)
+    assert latest is not None and latest.version == 2
+    with pytest.raises(TypeError, match=r"not a verst\.v1\.Metric"):
+        await bus.latest(stream, common_pb2.Metric)

@@ -25,12 +25,12 @@ DEADLINE_S = 30.0
 
 
 def start(
-    python: str, env: dict[str, str], module: list[str], port_var: str
+    python: str, env: dict[str, str], module: list[str], port_var: str, redis_url: str
 ) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     proc = subprocess.Popen(
         [python, "-m", *module],
-        env={**env, port_var: str(port)},
+        env={**env, port_var: str(port), "REDIS_URL": redis_url},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -67,9 +67,9 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     ("module", "port_var"), GRPC_SERVICES, ids=lambda v: " ".join(v) if isinstance(v, list) else v
 )
 def test_grpc_service_lifecycle(
-    python: str, python_env: dict[str, str], module: list[str], port_var: str
+    python: str, python_env: dict[str, str], module: list[str], port_var: str, redis_url: str
 ) -> None:
-    proc, port = start(python, python_env, module, port_var)
+    proc, port = start(python, python_env, module, port_var, redis_url)
     try:
         assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -78,8 +78,8 @@ def test_grpc_service_lifecycle(
     assert "stopped" in output
 
 
-def test_api_lifecycle(python: str, python_env: dict[str, str]) -> None:
-    proc, port = start(python, python_env, ["services.api"], "VERST_API_PORT")
+def test_api_lifecycle(python: str, python_env: dict[str, str], redis_url: str) -> None:
+    proc, port = start(python, python_env, ["services.api"], "VERST_API_PORT", redis_url)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while True:
