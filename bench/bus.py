@@ -1,0 +1,629 @@
+"""Throughput of 1,000-token trajectories through the bus, next to raw XADD.
+
+The measured pipeline, on one Redis server: a producer publishes pre-built
+Trajectory protos in batches with ``Bus.publish_many`` (which serializes them:
+that is timed), while a consumer reads them through a consumer group with
+``Bus.read`` (XREADGROUP, decoding each entry into a Trajectory) and acks every
+batch with ``Bus.ack``. The clock runs from the first publish to the last ack.
+Afterwards every trajectory must have been received exactly once, nothing may
+be pending and nothing may be left to read, or the benchmark fails.
+
+The baseline is pipelined XADD of the same serialized bytes, with the same
+fields and batch size, to a fresh stream on the same server, with no consumer.
+
+By default the producer and the consumer are two processes, as a rollout runner
+and a trainer are, each with its own event loop and Redis client (``--mode
+procs``); the producer stamps the start and the consumer the end on the
+system-wide monotonic clock. ``--mode inproc`` runs both as coroutines of one
+event loop instead, which bounds them to one core (slower: see bench/RESULTS.md).
+
+Each run also reports how many cores other processes kept busy meanwhile, since
+figures taken on a shared machine understate the bus.
+
+    .venv/bin/python bench/bus.py                # also rewrites its section of bench/RESULTS.md
+    .venv/bin/python bench/bus.py --no-results --trajectories 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import math
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import google.protobuf
+import numpy as np
+import psutil
+import redis
+import redis.asyncio.connection
+from google.protobuf.internal import api_implementation
+
+from services.common.bus import DATA_FIELD, DEFAULT_MAXLEN, TYPE_FIELD, Bus, connect
+from services.common.pb.common_pb2 import FINISH_REASON_STOP, SPLIT_TRAIN, Trajectory
+from services.common.redis_server import EmbeddedRedis
+from services.common.streams import JobStreams
+
+SECTION_TITLE = "## bus (bench/bus.py)"
+RESULTS_HEADER = """# Benchmarks
+
+Each script in `bench/` owns one `## <name> (bench/<script>.py)` section of this
+file and rewrites only that section when it runs (pass `--no-results` to leave
+the file alone). The figures are from real runs on the machine each section names.
+"""
+DESCRIPTION = """
+`Bus.publish_many` (serialization included) -> `Bus.read` (XREADGROUP in a consumer group,
+decoding into `Trajectory`) -> `Bus.ack` per batch, timed from the first publish to the last
+ack; afterwards every trajectory is checked received exactly once, with nothing pending.
+Raw XADD: pipelined XADD of the same serialized bytes (same `t`/`d` fields, same batch size)
+to a fresh stream on the same server, with no consumer.
+"""
+NOTES_MARKER = "<!-- notes: written by hand; bench/bus.py keeps everything from here to the next section -->"
+VOCAB = 50_000
+GROUP_SIZE = 8
+POLICY_VERSION = 3
+CONSUMER_GROUP = "bench-trainer"
+CONSUMER = "bench-trainer-0"
+IDLE_TIMEOUT_S = 30.0
+"""The consumer fails if nothing arrives for this long before it has everything."""
+CHILD_TIMEOUT_S = 600.0
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+BUSY_MACHINE = 0.1
+"""Other processes keeping this many cores busy during a run make its figures suspect."""
+MODES = {
+    "inproc": "two coroutines of one asyncio event loop in one process, each with its own Redis client",
+    "procs": "two processes (forked), each with its own asyncio event loop and Redis client;"
+    " the producer stamps the start, the consumer the end, on the system-wide monotonic clock",
+}
+
+
+class BenchError(RuntimeError):
+    """The pipeline lost, duplicated or left pending a trajectory, or a side failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    trajectories: int
+    tokens: int
+    prompt_tokens: int
+    batch: int
+    count: int
+    block_ms: int
+    mode: str
+    repeat: int
+    warmup: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """What one pass of the measured pipeline saw, on the (system-wide) monotonic clock."""
+
+    start: float
+    """Just before the first publish."""
+    published: float
+    """Just after the last publish."""
+    end: float
+    """Just after the last ack."""
+    seen: Counter[str]
+    """How many times each trajectory id was received."""
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One repetition: the bus pipeline, then the raw XADD baseline."""
+
+    n: int
+    bus_s: float
+    publish_s: float
+    raw_s: float
+    bus_other: float
+    """CPU cores that processes other than ours (and the local Redis server) used meanwhile."""
+    raw_other: float
+
+    @property
+    def bus_rate(self) -> float:
+        return self.n / self.bus_s
+
+    @property
+    def raw_rate(self) -> float:
+        return self.n / self.raw_s
+
+
+# -- payloads -----------------------------------------------------------------
+
+
+def build_trajectories(n: int, tokens: int, prompt_tokens: int, seed: int = 0) -> list[Trajectory]:
+    """Realistic trajectories in groups of GROUP_SIZE: token ids below VOCAB, negative logprobs."""
+    rng = np.random.default_rng(seed)
+    out: list[Trajectory] = []
+    for i in range(n):
+        group = i // GROUP_SIZE
+        traj = Trajectory(
+            id=f"traj-{i:08d}",
+            job_id="bench",
+            prompt_id=f"prompt-{group:07d}",
+            group_id=f"group-{group:07d}",
+            sample_index=i % GROUP_SIZE,
+            group_size=GROUP_SIZE,
+            reward=float(rng.random() < 0.5),
+            finish_reason=FINISH_REASON_STOP,
+            num_turns=1,
+            split=SPLIT_TRAIN,
+            engine_id="engine-0",
+        )
+        traj.prompt_token_ids.extend(rng.integers(0, VOCAB, prompt_tokens).tolist())
+        traj.response_token_ids.extend(rng.integers(0, VOCAB, tokens).tolist())
+        traj.behaviour_logprobs.extend((-rng.exponential(0.8, tokens)).astype(np.float32).tolist())
+        traj.loss_mask.extend([True] * tokens)
+        traj.policy_versions.extend([POLICY_VERSION] * tokens)
+        traj.reward_components["correct"] = traj.reward
+        traj.reward_components["format"] = 1.0
+        traj.created_at.FromNanoseconds(1_750_000_000_000_000_000 + i)
+        out.append(traj)
+    return out
+
+
+# -- the measured pipeline ------------------------------------------------------
+
+
+async def produce(
+    bus: Bus, stream: str, trajectories: Sequence[Trajectory], batch: int
+) -> tuple[float, float]:
+    """Publish everything in batches; returns the clock before the first and after the last."""
+    start = time.perf_counter()
+    for i in range(0, len(trajectories), batch):
+        await bus.publish_many(stream, trajectories[i : i + batch])
+    return start, time.perf_counter()
+
+
+async def consume(bus: Bus, stream: str, n: int, cfg: Config) -> tuple[Counter[str], float]:
+    """Read, decode and ack until n trajectories arrived; returns the ids seen and the clock."""
+    seen: Counter[str] = Counter()
+    received = 0
+    last_seen = time.perf_counter()
+    while received < n:
+        deliveries = await bus.read(
+            stream, CONSUMER_GROUP, CONSUMER, Trajectory, count=cfg.count, block_ms=cfg.block_ms
+        )
+        if not deliveries:
+            if time.perf_counter() - last_seen > IDLE_TIMEOUT_S:
+                raise BenchError(f"consumer starved: {received} of {n} after {IDLE_TIMEOUT_S:.0f}s idle")
+            continue
+        for delivery in deliveries:
+            traj = delivery.message
+            if len(traj.response_token_ids) != cfg.tokens or len(traj.behaviour_logprobs) != cfg.tokens:
+                raise BenchError(f"trajectory {traj.id} arrived with the wrong number of tokens")
+            seen[traj.id] += 1
+        await bus.ack(stream, CONSUMER_GROUP, [d.entry_id for d in deliveries])
+        received += len(deliveries)
+        last_seen = time.perf_counter()
+    return seen, time.perf_counter()
+
+
+async def run_inproc(url: str, stream: str, trajectories: Sequence[Trajectory], cfg: Config) -> Pipeline:
+    """Producer and consumer as coroutines of this event loop, each with its own client."""
+    producer, consumer = Bus(connect(url)), Bus(connect(url))
+    try:
+        await asyncio.gather(producer.redis.ping(), consumer.redis.ping())
+        (start, published), (seen, end) = await asyncio.gather(
+            produce(producer, stream, trajectories, cfg.batch),
+            consume(consumer, stream, len(trajectories), cfg),
+        )
+    finally:
+        await asyncio.gather(producer.close(), consumer.close())
+    return Pipeline(start, published, end, seen)
+
+
+def _side(role: str, url: str, conn: Connection, body: Callable[[Bus], Awaitable[object]]) -> None:
+    """A forked process: connect, say ready, wait for the go, run ``body``, send its result."""
+
+    async def main() -> object:
+        bus = Bus(connect(url))
+        try:
+            await bus.redis.ping()
+            conn.send("ready")
+            conn.recv()
+            return await body(bus)
+        finally:
+            await bus.close()
+
+    try:
+        conn.send(asyncio.run(main()))
+    except Exception as err:
+        conn.send(BenchError(f"{role} failed: {type(err).__name__}: {err}"))
+
+
+def _receive(conn: Connection, timeout_s: float, what: str) -> object:
+    if not conn.poll(timeout_s):
+        raise BenchError(f"no {what} within {timeout_s:.0f}s")
+    value = conn.recv()
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def run_procs(url: str, stream: str, trajectories: Sequence[Trajectory], cfg: Config) -> Pipeline:
+    """Producer and consumer as two forked processes; the producer inherits the built protos."""
+    ctx = mp.get_context("fork")
+    bodies = {
+        "producer": functools.partial(produce, stream=stream, trajectories=trajectories, batch=cfg.batch),
+        "consumer": functools.partial(consume, stream=stream, n=len(trajectories), cfg=cfg),
+    }
+    conns, procs = {}, []
+    for role, body in bodies.items():
+        conns[role], child_end = ctx.Pipe()
+        procs.append(ctx.Process(target=_side, args=(role, url, child_end, body), daemon=True))
+        procs[-1].start()
+        child_end.close()  # so that a child waiting for the go sees EOF if we fail first
+    try:
+        for role, conn in conns.items():
+            _receive(conn, IDLE_TIMEOUT_S, f"{role} ready")
+        for conn in conns.values():
+            conn.send("go")
+        start, published = _receive(conns["producer"], CHILD_TIMEOUT_S, "producer result")
+        seen, end = _receive(conns["consumer"], CHILD_TIMEOUT_S, "consumer result")
+    finally:
+        for conn in conns.values():
+            conn.close()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return Pipeline(start, published, end, seen)
+
+
+# -- checks and the baseline ------------------------------------------------------
+
+
+async def verify(url: str, stream: str, expected: Sequence[str], seen: Counter[str]) -> None:
+    """Every trajectory exactly once, nothing pending, nothing left to read: else BenchError."""
+    dupes = sorted(i for i, c in seen.items() if c > 1)
+    missing = sorted(set(expected) - seen.keys())
+    extra = sorted(seen.keys() - set(expected))
+    bus = Bus(connect(url))
+    try:
+        pending = await bus.pending_count(stream, CONSUMER_GROUP)
+        length = await bus.redis.xlen(stream)
+        unread = await bus.read(stream, CONSUMER_GROUP, CONSUMER, Trajectory, count=10, block_ms=50)
+    finally:
+        await bus.close()
+    problems = [
+        f"{len(dupes)} received more than once (e.g. {dupes[:3]})" if dupes else "",
+        f"{len(missing)} never received (e.g. {missing[:3]})" if missing else "",
+        f"{len(extra)} unexpected ids (e.g. {extra[:3]})" if extra else "",
+        f"{pending} still pending" if pending else "",
+        f"the stream holds {length} entries, not {len(expected)}" if length != len(expected) else "",
+        f"{len(unread)} entries never read" if unread else "",
+    ]
+    if any(problems):
+        raise BenchError("the bus lost or duplicated work: " + "; ".join(p for p in problems if p))
+
+
+async def raw_xadd(url: str, stream: str, payloads: Sequence[bytes], batch: int) -> float:
+    """Seconds to XADD the serialized payloads, pipelined in batches, with no consumer."""
+    client = connect(url)
+    type_name = Trajectory.DESCRIPTOR.full_name.encode()
+    try:
+        await client.ping()
+        start = time.perf_counter()
+        for i in range(0, len(payloads), batch):
+            pipe = client.pipeline(transaction=False)
+            for payload in payloads[i : i + batch]:
+                pipe.xadd(stream, {TYPE_FIELD: type_name, DATA_FIELD: payload}, maxlen=DEFAULT_MAXLEN)
+            await pipe.execute()
+        elapsed = time.perf_counter() - start
+        if await client.xlen(stream) != len(payloads):
+            raise BenchError("the raw XADD stream has the wrong length")
+        return elapsed
+    finally:
+        await client.aclose()
+
+
+async def _reset(url: str, *streams: str, group_on: str | None = None) -> None:
+    """Delete the streams; then create the consumer group (and its stream) on ``group_on``."""
+    client = connect(url)
+    try:
+        await client.delete(*streams)
+        if group_on:
+            await Bus(client).ensure_group(group_on, CONSUMER_GROUP, start_id="0")
+    finally:
+        await client.aclose()
+
+
+# -- CPU accounting -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU seconds so far: the whole machine's, ours (with reaped children) and the Redis server's."""
+
+    wall: float
+    machine: float
+    own: float
+    server: float
+
+    @classmethod
+    def now(cls, url: str) -> CpuSample:
+        times = psutil.Process().cpu_times()
+        own = times.user + times.system + times.children_user + times.children_system
+        server = 0.0
+        if urlparse(url).hostname in LOOPBACK:  # a remote server's CPU is not on this machine anyway
+            client = redis.Redis.from_url(url)
+            try:
+                info = client.info("cpu")
+            finally:
+                client.close()
+            server = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        return cls(time.perf_counter(), _machine_busy_s(), own, server)
+
+    def other_cores_since(self, before: CpuSample) -> float:
+        """Average cores that other processes kept busy between ``before`` and this sample."""
+        busy = self.machine - before.machine
+        ours = (self.own - before.own) + (self.server - before.server)
+        return max(0.0, busy - ours) / (self.wall - before.wall)
+
+
+def _machine_busy_s() -> float:
+    """Non-idle CPU seconds of the whole machine since boot (nan where /proc/stat is missing)."""
+    try:
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, first[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+# -- one repetition ---------------------------------------------------------------------
+
+
+def run_once(
+    url: str, trajectories: Sequence[Trajectory], payloads: Sequence[bytes], cfg: Config, k: int
+) -> Run:
+    """One repetition on fresh streams: the bus pipeline and its checks, then raw XADD."""
+    streams = JobStreams(f"bench-{os.getpid()}-{k}")
+    bus_stream, raw_stream = streams.trajectories, f"{streams.trajectories}:raw"
+    asyncio.run(_reset(url, bus_stream, raw_stream, group_on=bus_stream))
+    try:
+        before = CpuSample.now(url)
+        if cfg.mode == "procs":
+            result = run_procs(url, bus_stream, trajectories, cfg)
+        else:
+            result = asyncio.run(run_inproc(url, bus_stream, trajectories, cfg))
+        bus_other = CpuSample.now(url).other_cores_since(before)
+        asyncio.run(verify(url, bus_stream, [t.id for t in trajectories], result.seen))
+        asyncio.run(_reset(url, bus_stream))  # the baseline reuses the server memory the bus run used
+        before = CpuSample.now(url)
+        raw_s = asyncio.run(raw_xadd(url, raw_stream, payloads, cfg.batch))
+        raw_other = CpuSample.now(url).other_cores_since(before)
+    finally:
+        asyncio.run(_reset(url, bus_stream, raw_stream))
+    bus_s, publish_s = result.end - result.start, result.published - result.start
+    return Run(len(trajectories), bus_s, publish_s, raw_s, bus_other, raw_other)
+
+
+# -- reporting ----------------------------------------------------------------------
+
+
+def machine(url: str, *, embedded: bool) -> dict[str, str]:
+    """What the figures depend on: CPU, memory, Python, the Redis server and its client."""
+    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?"
+    mem_kb = int((_proc_field("/proc/meminfo", "MemTotal") or "0 kB").split()[0])
+    client = redis.Redis.from_url(url)
+    try:
+        info = {**client.info("server"), **client.info("memory"), **client.info("persistence")}
+    finally:
+        client.close()
+    where = "embedded" if embedded else f"at {urlparse(url).hostname}:{urlparse(url).port}"
+    allocator = info.get("mem_allocator", "?")
+    aof = "append-only file on" if int(info.get("aof_enabled", 0)) else "no append-only file"
+    uses_hiredis = "Hiredis" in redis.asyncio.connection.DefaultParser.__name__
+    hiredis = f"in use (hiredis {_version('hiredis')})" if uses_hiredis else "NOT in use"
+    return {
+        "cpu": f"{model}, {os.cpu_count()} cores",
+        "ram": f"{mem_kb / 2**20:.1f} GiB",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "redis-server": f"{info['redis_version']}, {where}, {aof}, allocator {allocator}",
+        "redis-py": f"{redis.__version__}, hiredis parser {hiredis}",
+        "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()} backend)",
+    }
+
+
+def _proc_field(path: str, key: str) -> str:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == key), "")
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except (ImportError, AttributeError):
+        return "?"
+
+
+def summary(runs: Sequence[Run]) -> tuple[float, float]:
+    """Median bus and raw XADD rates."""
+    return statistics.median(r.bus_rate for r in runs), statistics.median(r.raw_rate for r in runs)
+
+
+def section(
+    cfg: Config, command: str, host: dict[str, str], sizes: Sequence[int], runs: Sequence[Run]
+) -> str:
+    """This benchmark's section of RESULTS.md, up to (not including) its notes."""
+    bus_rate, raw_rate = summary(runs)
+    head = [
+        SECTION_TITLE,
+        "",
+        f"Trajectories of {cfg.tokens:,} response tokens (plus {cfg.prompt_tokens} prompt tokens)"
+        " through the bus on one Redis server:",
+        *DESCRIPTION.strip("\n").splitlines(),
+        f"Producer and consumer: {MODES[cfg.mode]} (`--mode {cfg.mode}`).",
+        "",
+        f"    {command}",
+        "",
+        *(f"- {key}: {value}" for key, value in host.items()),
+        f"- serialized trajectory: {statistics.mean(sizes):,.0f} bytes on average"
+        f" ({min(sizes):,} to {max(sizes):,})",
+        f"- per run: {cfg.trajectories:,} trajectories, publish batch {cfg.batch}, XREADGROUP COUNT"
+        f" {cfg.count}; {cfg.warmup} uncounted warm-up run(s) first",
+        "",
+    ]
+    table = [
+        "| run | bus trajectories/s | bus s | publishing done at s | raw XADD entries/s | bus / raw"
+        " | other load, cores (bus / raw) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {k} | {r.bus_rate:,.0f} | {r.bus_s:.2f} | {r.publish_s:.2f} | {r.raw_rate:,.0f}"
+            f" | {r.bus_rate / r.raw_rate:.2f} | {r.bus_other:.2f} / {r.raw_other:.2f} |"
+            for k, r in enumerate(runs, 1)
+        ),
+        f"| median | {bus_rate:,.0f} | | | {raw_rate:,.0f} | {bus_rate / raw_rate:.2f} | |",
+        "",
+        "Other load: CPU cores kept busy by anything but this benchmark and its Redis server (or stolen",
+        f"by the hypervisor) while it ran; above {BUSY_MACHINE} the figures understate the bus.",
+    ]
+    return "\n".join(head + table) + "\n"
+
+
+def update_results(path: Path, text: str) -> None:
+    """Replace this benchmark's section of ``path`` (or append it), leaving the other sections,
+    and this section's hand-written notes (from NOTES_MARKER on), alone."""
+    old = path.read_text() if path.exists() else RESULTS_HEADER
+    lines = old.splitlines()
+    if SECTION_TITLE not in lines:
+        path.write_text(old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n")
+        return
+    begin = lines.index(SECTION_TITLE)
+    end = next((i for i in range(begin + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    notes = next((lines[i:end] for i in range(begin, end) if lines[i] == NOTES_MARKER), [])
+    parts = [lines[:begin], text.rstrip("\n").splitlines(), notes, lines[end:]]
+    path.write_text("\n\n".join("\n".join(p).strip("\n") for p in parts if p) + "\n")
+
+
+def _redact(argv: Sequence[str]) -> list[str]:
+    """The command line without the Redis URL's value, which may hold a password."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--redis-url" and i + 1 < len(out):
+            out[i + 1] = "URL"
+        elif arg.startswith("--redis-url="):
+            out[i] = "--redis-url=URL"
+    return out
+
+
+# -- main ------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--trajectories", type=int, default=20_000, help="per run (%(default)s)")
+    parser.add_argument(
+        "--tokens", type=int, default=1_000, help="response tokens per trajectory (%(default)s)"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=128, help="prompt tokens per trajectory (%(default)s)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=100, help="publish_many (and raw pipeline) batch size (%(default)s)"
+    )
+    parser.add_argument("--count", type=int, default=100, help="XREADGROUP COUNT (%(default)s)")
+    parser.add_argument("--block-ms", type=int, default=1000, help="XREADGROUP BLOCK (%(default)s)")
+    parser.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="procs",
+        help="procs (default): producer and consumer as two processes; inproc: as two coroutines",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="measured runs, each on fresh streams (%(default)s)"
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="runs before those, not reported (%(default)s)")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", ""),
+        help="default: $REDIS_URL, else an embedded redis-server without persistence",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path(__file__).resolve().parent / "RESULTS.md",
+        help="file whose bus section to rewrite (bench/RESULTS.md)",
+    )
+    parser.add_argument("--no-results", action="store_true", help="leave the results file alone")
+    args = parser.parse_args(argv)
+    if min(args.trajectories, args.tokens, args.batch, args.count, args.block_ms, args.repeat) < 1:
+        parser.error("--trajectories, --tokens, --batch, --count, --block-ms and --repeat must be >= 1")
+    if min(args.prompt_tokens, args.warmup) < 0:
+        parser.error("--prompt-tokens and --warmup must be >= 0")
+    return args
+
+
+def measure(url: str, cfg: Config) -> tuple[list[int], list[Run]]:
+    """Build the payloads, then run the warm-ups and the measured runs; returns sizes and runs."""
+    trajectories = build_trajectories(cfg.trajectories, cfg.tokens, cfg.prompt_tokens)
+    payloads = [t.SerializeToString() for t in trajectories]
+    sizes = [len(p) for p in payloads]
+    print(
+        f"{cfg.trajectories:,} trajectories of {cfg.tokens:,} response + {cfg.prompt_tokens} prompt tokens,"
+        f" {statistics.mean(sizes):,.0f} bytes serialized; batch {cfg.batch}, count {cfg.count},"
+        f" mode {cfg.mode}"
+    )
+    runs: list[Run] = []
+    for k in range(1 - cfg.warmup, cfg.repeat + 1):
+        run = run_once(url, trajectories, payloads, cfg, k)
+        label = f"run {k}" if k > 0 else "warm-up (not counted)"
+        print(
+            f"{label}: bus {run.bus_rate:,.0f} trajectories/s ({run.bus_s:.2f} s, publishing done at"
+            f" {run.publish_s:.2f} s), raw xadd {run.raw_rate:,.0f}/s,"
+            f" bus/raw {run.bus_rate / run.raw_rate:.2f}; other load {run.bus_other:.2f}"
+            f" / {run.raw_other:.2f} cores"
+        )
+        if max(run.bus_other, run.raw_other) > BUSY_MACHINE:
+            print(f"  warning: other processes were busy during {label}; its figures are low")
+        if k > 0:
+            runs.append(run)
+    return sizes, runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = Config(**{f: getattr(args, f) for f in Config.__dataclass_fields__})
+    server = None if args.redis_url else EmbeddedRedis()
+    url = server.start() if server else args.redis_url
+    try:
+        host = machine(url, embedded=server is not None)
+        for key, value in host.items():
+            print(f"{key:>12}: {value}")
+        sizes, runs = measure(url, cfg)
+    finally:
+        if server:
+            server.stop()
+    if not args.no_results:
+        command = shlex.join(
+            [".venv/bin/python", "bench/bus.py", *_redact(sys.argv[1:] if argv is None else argv)]
+        )
+        update_results(args.results, section(cfg, command, host, sizes, runs))
+        print(f"updated {args.results}")
+    bus_rate, raw_rate = summary(runs)
+    print(f"bus: {round(bus_rate)} trajectories/s (raw xadd {round(raw_rate)}/s)")
+
+
+if __name__ == "__main__":
+    main()
