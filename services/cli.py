@@ -1,19 +1,130 @@
-"""The `verst` command."""
+"""The `verst` command: up, submit, status, demo."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.common.config import JobSpecError, load_job_spec
+
+DEFAULT_API = os.environ.get("VERST_API_URL", "http://127.0.0.1:8000")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = REPO_ROOT / "examples" / "addition.yaml"
+TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.stack import Stack, StackConfig
+
+    config = StackConfig(log_dir=Path(args.log_dir), redis_dir=Path(args.redis_dir), engines=args.engines)
+    stack = Stack(config)
+    print(f"starting verst (logs in {config.log_dir}/) ...", flush=True)
+    stack.start()
+    print(f"verst is up: api {stack.api_url}  redis {stack.redis_url}  (Ctrl-C stops everything)", flush=True)
+    try:
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        stack.stop()
+    return 0
+
+
+def submit(api: str, spec_path: Path) -> dict[str, Any]:
+    """Validate a spec locally (errors name the field), then POST it to the api."""
+    spec = load_job_spec(spec_path)
+    response = httpx.post(f"{api}/v1/jobs", json=spec.model_dump(mode="json"), timeout=30)
+    if response.status_code != 201:
+        raise SystemExit(f"verst submit: {response.status_code} {response.text}")
+    return response.json()
+
+
+def get_job(api: str, job_id: str) -> dict[str, Any]:
+    response = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10)
+    if response.status_code == 404:
+        raise SystemExit(f"verst: no job {job_id!r}")
+    response.raise_for_status()
+    return response.json()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    job = submit(args.api, Path(args.spec))
+    print(job["job_id"])
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.job:
+        print(json.dumps(get_job(args.api, args.job), indent=2))
+        return 0
+    response = httpx.get(f"{args.api}/v1/jobs", timeout=10)
+    response.raise_for_status()
+    jobs = response.json()
+    jobs = jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
+    print(f"{'job':32} {'state':22} {'version':>7} {'step':>5}")
+    for job in jobs:
+        print(
+            f"{job['job_id']:32} {job['state']:22} {job.get('policy_version', 0):>7} {job.get('step', 0):>5}"
+        )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return run_demo(Path(args.spec), Path(args.out), engines=args.engines)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="verst", description="RL post-training as services.")
+    root.add_argument("-v", "--verbose", action="store_true", help="log what the command does")
+    commands = root.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start Redis and every service locally; Ctrl-C stops them")
+    up.add_argument("--engines", type=int, default=1, help="rollout engines to start")
+    up.add_argument("--log-dir", default=".verst/logs", help="one log file per service here")
+    up.add_argument("--redis-dir", default=".verst/redis", help="embedded Redis persists here")
+    up.set_defaults(run=cmd_up)
+
+    sub = commands.add_parser("submit", help="submit a job spec (YAML) to the api")
+    sub.add_argument("spec", help="path to a JobSpec YAML file")
+    sub.add_argument("--api", default=DEFAULT_API, help="api base URL (env VERST_API_URL)")
+    sub.set_defaults(run=cmd_submit)
+
+    status = commands.add_parser("status", help="list jobs, or show one")
+    status.add_argument("job", nargs="?", help="job id")
+    status.add_argument("--api", default=DEFAULT_API, help="api base URL (env VERST_API_URL)")
+    status.set_defaults(run=cmd_status)
+
+    demo = commands.add_parser("demo", help="run the default job end to end on this machine")
+    demo.add_argument("--spec", default=str(DEFAULT_SPEC), help="job spec to run")
+    demo.add_argument("--out", default="runs/demo", help="where the plot and summary go")
+    demo.add_argument("--engines", type=int, default=1, help="rollout engines to start")
+    demo.set_defaults(run=cmd_demo)
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verst", description="RL post-training as services.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="run the default job end to end on this machine")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        print("verst demo: not yet: the end-to-end loop (services, trainer, engine) is not built yet")
-    return 0
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.run(args))
+    except JobSpecError as err:
+        print(f"verst: {err}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as err:
+        print(f"verst: cannot reach the api ({err}); is `verst up` running?", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

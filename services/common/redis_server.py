@@ -54,7 +54,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Runs in the child before exec: ask the kernel to SIGTERM it when we die."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -135,7 +135,7 @@ class EmbeddedRedis:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: _die_with_parent(parent),
+            preexec_fn=lambda: die_with_parent(parent),
         )
         deadline = time.monotonic() + self.start_timeout_s
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)

@@ -1,0 +1,116 @@
+"""`verst demo`: the whole stack, the default job, a live progress bar, a plot and a summary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from services.cli import TERMINAL, get_job, submit
+from services.common.config import load_job_spec
+from services.stack import Stack, StackConfig
+
+POLL_S = 0.5
+DEMO_TIMEOUT_S = 3600.0
+
+
+def job_history(api: str, job_id: str) -> list[dict[str, Any]]:
+    """Per-step metric rows: {"step", "source", "values"}."""
+    response = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", timeout=10)
+    response.raise_for_status()
+    body = response.json()
+    return body["history"] if isinstance(body, dict) else body
+
+
+def series(history: list[dict[str, Any]], source: str, name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one metric, last value per step."""
+    by_step: dict[int, float] = {}
+    for row in history:
+        if row["source"] == source and name in row["values"]:
+            by_step[int(row["step"])] = float(row["values"][name])
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Reward per training step and held-out accuracy per evaluated version, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    steps, reward = series(history, "trainer", "reward_mean")
+    ax.plot(steps, reward, marker=".", label="training reward (mean per step)")
+    eval_steps, accuracy = series(history, "eval", "accuracy")
+    ax.plot(eval_steps, accuracy, marker="o", linewidth=2, label="held-out accuracy (greedy)")
+    ax.set_xlabel("policy version (trainer step)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def follow(stack: Stack, job_id: str, steps: int) -> dict[str, Any]:
+    """Show a progress bar until the job ends; returns its final record."""
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    with tqdm(total=steps, desc="training", unit="step", dynamic_ncols=True) as bar:
+        while True:
+            stack.check_alive()
+            job = get_job(stack.api_url, job_id)
+            bar.update(max(0, min(steps, int(job.get("step", 0))) - bar.n))
+            metrics = job.get("metrics", {})
+            postfix = {"state": job["state"].removeprefix("JOB_STATE_").lower()}
+            if "trainer/reward_mean" in metrics:
+                postfix["reward"] = f"{metrics['trainer/reward_mean']:.2f}"
+            if "eval/accuracy" in metrics:
+                postfix["accuracy"] = f"{metrics['eval/accuracy']:.2f}"
+            bar.set_postfix(postfix)
+            if job["state"] in TERMINAL:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} did not finish within {DEMO_TIMEOUT_S:.0f}s")
+            time.sleep(POLL_S)
+
+
+def prepare_model(model_path: str) -> None:
+    """Build (or find cached) the builtin base model before the services need it."""
+    if model_path.startswith("builtin:"):
+        from services.common.basemodel import resolve_model_path
+
+        print(f"base model {model_path}: {resolve_model_path(model_path)}", flush=True)
+
+
+def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
+    started = time.monotonic()
+    spec = load_job_spec(spec_path)
+    prepare_model(spec.model.path)
+    config = StackConfig(log_dir=out_dir / "logs", engines=engines, api_port=0, router_port=0, engine_port=0,
+                         reward_port=0, trainer_port=0, runner_port=0)  # fmt: skip
+    print(f"starting services (logs in {config.log_dir}/) ...", flush=True)
+    with Stack(config) as stack:
+        job_id = submit(stack.api_url, spec_path)["job_id"]
+        print(f"job {job_id}: {spec.trainer.steps} steps of {spec.algorithm.advantage}", flush=True)
+        job = follow(stack, job_id, spec.trainer.steps)
+        history = job_history(stack.api_url, job_id)
+    seconds = time.monotonic() - started
+    png = plot(history, out_dir / f"{job_id}.png", f"verst demo: {job_id}")
+    versions, accuracy = series(history, "eval", "accuracy")
+    for version, value in zip(versions, accuracy, strict=True):
+        print(f"  held-out accuracy at version {version:>3}: {value:.3f}")
+    if job["state"] != "JOB_STATE_SUCCEEDED" or not accuracy:
+        print(f"demo: job {job_id} ended {job['state']}: {job.get('reason', '')}")
+        return 1
+    print(
+        f"demo: accuracy before={accuracy[0]:.3f} after={accuracy[-1]:.3f} "
+        f"steps={job.get('step', 0)} seconds={seconds:.0f} plot={png}"
+    )
+    return 0

@@ -1,0 +1,208 @@
+"""The whole verst stack as local processes: what `verst up` and `verst demo` run.
+
+Redis (embedded unless REDIS_URL is set), then the reward service, the trainer,
+the rollout engines, the router, the runner and the api, each a child process
+with its log in one folder. Children die with the stack: on `stop()`, on
+Ctrl-C, and (Linux) when the `verst` process itself is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.common.healthcheck import grpc_serving, http_ok
+from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Child:
+    """One service process of the stack."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    health: tuple[str, str]
+    """("grpc", "host:port") or ("http", url): how to tell it is ready."""
+    process: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+
+
+@dataclass
+class StackConfig:
+    """Where the stack listens and writes. Port 0 picks a free port."""
+
+    log_dir: Path = Path(".verst/logs")
+    redis_dir: Path | None = None
+    """Persist the embedded Redis here (append-only file); None keeps it in memory."""
+    engines: int = 1
+    api_port: int = 8000
+    router_port: int = 50051
+    engine_port: int = 50052
+    reward_port: int = 50053
+    trainer_port: int = 50054
+    runner_port: int = 50055
+    host: str = "127.0.0.1"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 180.0
+
+    def resolved(self) -> StackConfig:
+        """A copy with every 0 port replaced by a free one."""
+        ports = {
+            name: value or free_port(self.host)
+            for name, value in vars(self).items()
+            if name.endswith("_port")
+        }
+        return StackConfig(**{**vars(self), **ports})
+
+
+class Stack:
+    """Starts, watches and stops the services of one local verst deployment."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config.resolved()
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = ""
+        self.children: list[Child] = []
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.api_port}"
+
+    def start(self) -> None:
+        """Start everything and wait until every service reports healthy."""
+        cfg = self.config
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_url = os.environ.get("REDIS_URL", "")
+        if not self.redis_url:
+            self.redis = EmbeddedRedis(cfg.redis_dir)
+            self.redis_url = self.redis.start()
+        try:
+            for child in self._plan():
+                self._spawn(child)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _plan(self) -> list[Child]:
+        cfg = self.config
+        host = cfg.host
+        router = f"{host}:{cfg.router_port}"
+        reward = f"{host}:{cfg.reward_port}"
+        base = {
+            **os.environ,
+            **cfg.extra_env,
+            "REDIS_URL": self.redis_url,
+            "PYTHONUNBUFFERED": "1",
+        }
+        py = [sys.executable, "-m"]
+        children = [
+            Child("reward", [*py, "services.reward"], {**base, "VERST_REWARD_PORT": str(cfg.reward_port)},
+                  ("grpc", reward)),
+            Child("trainer", [*py, "services.trainer"], {**base, "VERST_TRAINER_PORT": str(cfg.trainer_port)},
+                  ("grpc", f"{host}:{cfg.trainer_port}")),
+        ]  # fmt: skip
+        for index in range(cfg.engines):
+            port = cfg.engine_port if index == 0 else free_port(host)
+            env = {**base, "VERST_ENGINE_PORT": str(port), "VERST_ENGINE_ENGINE_ID": f"engine-{index}"}
+            children.append(
+                Child(f"engine-{index}", [*py, "services.rollout", "engine"], env, ("grpc", f"{host}:{port}"))
+            )
+        children += [
+            Child("router", [*py, "services.router"], {**base, "VERST_ROUTER_PORT": str(cfg.router_port)},
+                  ("grpc", router)),
+            Child("runner", [*py, "services.rollout", "runner"],
+                  {**base, "VERST_RUNNER_PORT": str(cfg.runner_port), "VERST_RUNNER_ROUTER_ADDRESS": router,
+                   "VERST_RUNNER_REWARD_ADDRESS": reward},
+                  ("grpc", f"{host}:{cfg.runner_port}")),
+            Child("api", [*py, "services.api"],
+                  {**base, "VERST_API_PORT": str(cfg.api_port), "VERST_API_ROUTER_ADDRESS": router,
+                   "VERST_API_REWARD_ADDRESS": reward},
+                  ("http", f"{self.api_url}/healthz")),
+        ]  # fmt: skip
+        return children
+
+    def _spawn(self, child: Child) -> None:
+        log_path = self.config.log_dir / f"{child.name}.log"
+        child.log_file = log_path.open("ab")
+        parent = os.getpid()
+        child.process = subprocess.Popen(
+            child.args,
+            env=child.env,
+            stdout=child.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches `verst`, which stops children in order
+            preexec_fn=lambda: die_with_parent(parent),
+        )
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", child.name, child.process.pid, log_path)
+
+    def wait_ready(self) -> None:
+        """Block until every child is healthy; raise naming the one that died or hung."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        pending = list(self.children)
+        while pending:
+            self.check_alive()
+            kind, target = pending[0].health
+            if (grpc_serving if kind == "grpc" else http_ok)(target):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{pending[0].name} not healthy after {self.config.ready_timeout_s}s: "
+                                   f"{self.log_tail(pending[0].name)}")  # fmt: skip
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise if a child exited, with the end of its log."""
+        for child in self.children:
+            if child.process is not None and child.process.poll() is not None:
+                status = child.process.returncode
+                raise RuntimeError(f"{child.name} exited with status {status}:\n{self.log_tail(child.name)}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.config.log_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM every child (api first, reward last), wait, then SIGKILL what is left."""
+        for child in reversed(self.children):
+            if child.process is not None and child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in reversed(self.children):
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs: killed", child.name, STOP_TIMEOUT_S)
+                child.process.kill()
+                child.process.wait(timeout=10)
+            if child.log_file is not None:
+                child.log_file.close()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
