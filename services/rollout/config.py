@@ -16,6 +16,26 @@ class EngineSettings(ServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port of the Rollout service; 0 picks a free one."""
+    advertise_address: str = Field("", pattern=r"^$|^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$")
+    """host:port the router dials; empty: this host and port (the hostname when host is 0.0.0.0)."""
+    engine_id: str = Field("", max_length=200)
+    """Name in the engine registry; empty: engine-{hostname}-{pid}."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
+    """Torch device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N, mps or xpu."""
+    dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")
+    """Weight dtype: float32, bfloat16 or float16."""
+    max_batch_size: int = Field(64, ge=1, le=4096)
+    """Most samples decoded together in one batch."""
+    batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0)
+    """Longest wait for a batch to fill once a request is queued."""
+    weight_poll_s: float = Field(0.2, gt=0.0, le=60.0)
+    """Seconds between looks for a newer checkpoint of the newest running job."""
+    heartbeat_s: float = Field(1.0, gt=0.0, le=60.0)
+    """Seconds between heartbeats into the engine registry (keep well below the router's ttl)."""
+    torch_threads: int = Field(0, ge=0, le=1024)
+    """Torch intra-op CPU threads; 0 keeps torch's default. 1 is fastest for tiny models."""
+    weight_load_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
+    """Longest wait for the worker to take verified weights (it swaps models between batches)."""
 
 
 class RunnerSettings(ServiceSettings):
@@ -24,3 +44,18 @@ class RunnerSettings(ServiceSettings):
 
     port: int = Field(50055, ge=0, le=65535)
     """Port of the runner's health service; 0 picks a free one."""
+    router_address: str = Field("127.0.0.1:50051", min_length=3)
+    """host:port of the Router that generates the samples."""
+    reward_address: str = Field("127.0.0.1:50053", min_length=3)
+    """host:port of the Reward service for jobs whose spec names none."""
+    max_concurrent_groups: int = Field(32, ge=1, le=65_536)
+    """PromptTasks (groups of n samples) in flight at once, over all jobs."""
+    reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)
+    """A task left unacked this long (its runner died, or its rollout failed) is retried by any
+    runner; live runners renew the tasks they work on three times per period."""
+    jobs_refresh_s: float = Field(1.0, ge=0.05, le=300.0)
+    """How often the runner looks for jobs that started or finished."""
+    max_deliveries: int = Field(5, ge=1, le=1000)
+    """A task delivered this many times without an ack is dead-lettered."""
+    retry_s: float = Field(30.0, ge=0.0, le=3600.0)
+    """How long fast router/reward failures (UNAVAILABLE, no weights yet) are retried in place."""

@@ -16,3 +16,11 @@ class RouterSettings(ServiceSettings):
 
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port of the router service; 0 picks a free one."""
+    engine_ttl_s: float = Field(5.0, gt=0.0, le=600.0)
+    """An engine is alive while its last registry heartbeat is younger than this."""
+    refresh_s: float = Field(0.5, gt=0.0, le=60.0)
+    """Seconds between reads of the engine registry."""
+    max_attempts: int = Field(3, ge=1, le=20)
+    """Engines tried for one request before it fails (a retry goes to another engine)."""
+    default_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """Deadline of a forwarded call when the caller set none."""

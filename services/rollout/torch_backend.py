@@ -1,0 +1,179 @@
+"""The torch side of the engine: load an HF causal LM and decode one batch with a KV cache."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from services.common.pb import common_pb2
+from services.rollout.sampling import BatchSampler
+
+if TYPE_CHECKING:
+    from services.rollout.engine import Row
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FROM_PRETRAINED_LOCK = threading.Lock()
+"""from_pretrained switches process-wide state (meta-device init): one load at a time."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model ready to serve, with what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+    tokenizer: Any | None
+    cache_argument: str
+    """``cache`` in recent transformers, ``past_key_values`` before."""
+    keeps_last_logits: bool
+    """Whether forward takes ``logits_to_keep`` (skip the LM head on the prompt)."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _token_ids(value: object) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}  # type: ignore[union-attr]
+
+
+def load_model(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load an HF causal LM directory (and its tokenizer, if it has one) for inference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with _FROM_PRETRAINED_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError):
+            tokenizer = None  # stop strings need one; token-in/token-out does not
+    config = model.config
+    eos = _token_ids(config.eos_token_id)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        eos |= _token_ids(generation_config.eos_token_id)
+    parameters = inspect.signature(model.forward).parameters
+    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
+    return LoadedModel(
+        model=model,
+        vocab_size=int(model.get_input_embeddings().num_embeddings),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        eos_token_ids=frozenset(eos),
+        pad_token_id=int(pad),
+        tokenizer=tokenizer,
+        cache_argument="cache" if "cache" in parameters else "past_key_values",
+        keeps_last_logits="logits_to_keep" in parameters,
+    )
+
+
+class DecodeHooks(Protocol):
+    """What the decode loop asks of its engine between steps."""
+
+    def current_version(self) -> int: ...
+
+    def finish(self, row: Row, reason: int, error: str = "") -> None: ...
+
+    def after_step(self, live: list[Row]) -> None: ...
+
+
+def _left_pad(rows: list[Row], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, L] and attention mask [B, L] with prompts right-aligned."""
+    width = max(len(row.request.prompt) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        prompt = row.request.prompt
+        ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _forward(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any):
+    kwargs: dict[str, Any] = {loaded.cache_argument: cache, "use_cache": True}
+    if loaded.keeps_last_logits:
+        kwargs["logits_to_keep"] = 1
+    out = loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
+    return out.logits[:, -1, :].float()
+
+
+def _finish_reason(row: Row, tokenizer: Any | None) -> int | None:
+    config = row.request.config
+    if row.tokens[-1] in row.stop_ids:
+        return common_pb2.FINISH_REASON_STOP
+    if config.stop and tokenizer is not None:
+        text = tokenizer.decode(row.tokens)
+        if any(stop in text for stop in config.stop):
+            return common_pb2.FINISH_REASON_STOP
+    if len(row.tokens) >= config.max_new_tokens:
+        return common_pb2.FINISH_REASON_LENGTH
+    return None
+
+
+@torch.inference_mode()
+def decode_batch(loaded: LoadedModel, rows: list[Row], *, device: torch.device, hooks: DecodeHooks) -> None:
+    """Generate every row to completion (or abort), reporting each finished row to ``hooks``.
+
+    Finished rows stop contributing tokens; once at most half of the rows in the batch are
+    still running, the finished ones are dropped from the cache so they stop costing compute.
+    """
+    from transformers import DynamicCache
+
+    ids, mask = _left_pad(rows, loaded.pad_token_id, device)
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+    sampler = BatchSampler([row.request.config for row in rows], [row.seed for row in rows], device)
+    cache = DynamicCache(config=loaded.model.config)
+    logits = _forward(loaded, ids, mask, positions, cache)
+    live = list(rows)
+    while True:
+        active = [row.finish is None for row in live]
+        tokens, logprobs = sampler.sample(logits, active)
+        version = hooks.current_version()
+        for row, token, logprob in zip(live, tokens.tolist(), logprobs.tolist(), strict=True):
+            if row.finish is not None:
+                continue
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.versions.append(version)
+            if row.request.first_token_at is None:
+                row.request.first_token_at = time.monotonic()
+            reason = _finish_reason(row, loaded.tokenizer)
+            if reason is not None:
+                hooks.finish(row, reason)
+        hooks.after_step(live)
+        keep = [i for i, row in enumerate(live) if row.finish is None]
+        if not keep:
+            return
+        if len(keep) <= len(live) // 2:
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, positions, tokens = mask[index], positions[index], tokens[index]
+            sampler.select(index)
+            live = [live[i] for i in keep]
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = _forward(loaded, tokens.unsqueeze(1), mask, positions, cache)

@@ -1,0 +1,190 @@
+"""The engine's background work: follow the newest running job's checkpoints, and heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.common.bus import Bus
+from services.common.pb import common_pb2, rollout_pb2
+from services.common.registry import EngineRegistry
+from services.common.streams import JOB_INDEX, JobStreams, job_key
+from services.rollout.engine import TorchEngine, WeightUpdate
+from services.rollout.weights import CheckpointError, checkpoint_dir
+
+log = logging.getLogger(__name__)
+
+RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING).encode()
+JOBS_SCANNED = 50
+"""How many of the newest jobs are looked at for a running one."""
+
+
+async def newest_running_job(redis: aioredis.Redis, scan: int = JOBS_SCANNED) -> str | None:
+    """The most recently submitted job whose state is RUNNING, read from the job hashes."""
+    job_ids = await redis.zrevrange(JOB_INDEX, 0, scan - 1)
+    if not job_ids:
+        return None
+    pipe = redis.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hget(job_key(job_id.decode()), "state")
+    for job_id, state in zip(job_ids, await pipe.execute(), strict=True):
+        if state == RUNNING:
+            return str(job_id.decode())
+    return None
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """How a checkpoint load went."""
+
+    update: WeightUpdate
+    load_s: float
+    """From the start of verification until the worker served the weights."""
+    latency_s: float | None
+    """From the handle's created_at until served (None when the handle has no time)."""
+
+
+class WeightLoader:
+    """Loads checkpoints into the engine one at a time (watcher and LoadWeights share it)."""
+
+    def __init__(self, engine: TorchEngine, timeout_s: float) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+
+    async def load(
+        self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
+    ) -> LoadReport:
+        """Verify and serve ``handle``. Raises CheckpointError (bad uri, files, sha256),
+        TimeoutError, or EngineStoppedError."""
+        async with self._lock:
+            started = time.monotonic()
+            path = checkpoint_dir(handle.uri)
+            update = await asyncio.to_thread(
+                self.engine.load_checkpoint,
+                path,
+                sha256=handle.sha256,
+                version=handle.version,
+                job_id=handle.job_id,
+                mode=mode,
+                timeout_s=timeout_s or self.timeout_s,
+            )
+            seconds = time.monotonic() - started
+        latency = None
+        if handle.HasField("created_at") and handle.created_at.seconds:
+            latency = time.time() - handle.created_at.ToNanoseconds() / 1e9
+        log.info(
+            "serving %s v%d from %s: loaded in %.3fs, %s after its handle was published (%d aborted)",
+            handle.job_id,
+            handle.version,
+            path,
+            seconds,
+            "?" if latency is None else f"{latency:.3f}s",
+            update.aborted_requests,
+        )
+        return LoadReport(update, seconds, latency)
+
+
+class WeightWatcher:
+    """Every ``poll_s``: find the newest running job and load its newest checkpoint if newer."""
+
+    def __init__(self, redis: aioredis.Redis, loader: WeightLoader, poll_s: float) -> None:
+        self.redis = redis
+        self.bus = Bus(redis)
+        self.loader = loader
+        self.poll_s = poll_s
+        self._refused: set[tuple[str, int, str]] = set()
+        self._last_error = ""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.check()
+                self._last_error = ""
+            except (RedisError, OSError, TypeError, TimeoutError) as err:
+                if str(err) != self._last_error:  # log a persisting problem once
+                    log.warning("weight watch failed: %s", err)
+                    self._last_error = str(err)
+            except Exception:  # a bug must not end weight watching for the life of the process
+                log.exception("weight watch failed unexpectedly")
+            await sleep_or_stop(stop, self.poll_s)
+
+    async def check(self) -> bool:
+        """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""
+        job_id = await newest_running_job(self.redis)
+        if job_id is None:
+            return False
+        handle = await self.bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
+        if handle is None:
+            return False
+        if not handle.job_id:
+            handle.job_id = job_id
+        status = self.loader.engine.status()
+        if handle.job_id == status.job_id and handle.version <= status.policy_version:
+            return False
+        key = (handle.job_id, handle.version, handle.sha256)
+        if key in self._refused:
+            return False
+        try:
+            report = await self.loader.load(handle, rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED)
+        except CheckpointError as err:
+            self._refused.add(key)  # the same handle will not get better by retrying
+            log.error("refused checkpoint %s v%d: %s", handle.job_id, handle.version, err)
+            return False
+        await self._report(handle, report)
+        return True
+
+    async def _report(self, handle: common_pb2.CheckpointHandle, report: LoadReport) -> None:
+        """Publish the weight-sync timings on the job's metrics stream (source "rollout")."""
+        values = {"weight_load_s": report.load_s}
+        if report.latency_s is not None:
+            values["weight_sync_latency_s"] = report.latency_s
+        metric = common_pb2.Metric(
+            job_id=handle.job_id,
+            step=handle.step,
+            policy_version=handle.version,
+            source="rollout",
+            values=values,
+        )
+        metric.time.GetCurrentTime()
+        await self.bus.publish(JobStreams(handle.job_id).metrics, metric)
+
+
+class Heartbeat:
+    """Writes the engine's EngineInfo into the registry every ``interval_s`` until stopped."""
+
+    def __init__(
+        self, registry: EngineRegistry, info: Callable[[], common_pb2.EngineInfo], interval_s: float
+    ) -> None:
+        self.registry = registry
+        self.info = info
+        self.interval_s = interval_s
+
+    async def run(self, stop: asyncio.Event) -> None:
+        engine_id = self.info().engine_id
+        failing = False
+        while not stop.is_set():
+            try:
+                await self.registry.heartbeat(self.info())
+                failing = False
+            except (RedisError, OSError) as err:
+                if not failing:
+                    log.warning("heartbeat failed: %s", err)
+                failing = True
+            await sleep_or_stop(stop, self.interval_s)
+        try:
+            await self.registry.remove(engine_id)
+        except (RedisError, OSError) as err:
+            log.warning("could not remove %s from the registry: %s", engine_id, err)
