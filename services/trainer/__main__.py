@@ -1,8 +1,6 @@
 """`python -m services.trainer`: the DeepSpeed trainer."""
 
-from services.common.grpc_server import main
-from services.trainer.config import TrainerSettings
-from services.trainer.server import register
+from services.trainer.server import main
 
 if __name__ == "__main__":
-    main(TrainerSettings, register)
+    main()

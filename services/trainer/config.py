@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -16,3 +16,26 @@ class TrainerSettings(ServiceSettings):
 
     port: int = Field(50054, ge=0, le=65535)
     """gRPC port of the trainer service; 0 picks a free one."""
+    trainer_id: str = Field("", max_length=200, pattern=r"^[\w.:-]*$")
+    """Consumer name of this trainer on the streams; empty means `trainer-<host>-<pid>`."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: cuda when available under `auto`, else cpu."""
+    torch_threads: int = Field(0, ge=0, le=1024)
+    """CPU threads for torch; 0 keeps torch's default."""
+    poll_block_ms: int = Field(1000, ge=10, le=20_000)
+    """Longest wait of one stream read (jobs or trajectories) before looking at stop requests again."""
+    job_reclaim_idle_ms: int = Field(60_000, ge=1000, le=86_400_000)
+    """A job held this long by a trainer that stopped sending keep-alives is taken over by another."""
+    trajectory_reclaim_idle_ms: int = Field(60_000, ge=1000, le=86_400_000)
+    """Trajectories pending this long on a silent consumer (a dead trainer) are taken over."""
+    keepalive_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """How often the trainer renews its claim on its job and on buffered trajectories."""
+
+    @field_validator("keepalive_s")
+    @classmethod
+    def _keepalive_beats_reclaim(cls, value: float, info: ValidationInfo) -> float:
+        names = ("job_reclaim_idle_ms", "trajectory_reclaim_idle_ms")
+        bounds = [info.data[name] for name in names if name in info.data]  # absent when invalid
+        if bounds and value * 1000 * 2 > min(bounds):
+            raise ValueError("must be at most half of the shorter of the *_RECLAIM_IDLE_MS settings")
+        return value

@@ -1,14 +1,83 @@
-"""The trainer's gRPC server.
-
-Today it serves health only; the Trainer service and the training loop are
-added with the end-to-end loop.
-"""
+"""The trainer process: the ``verst.v1.Trainer`` gRPC service beside the job consumer loop."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
+from services.common.bus import Bus
+from services.common.grpc_server import Register, serve
+from services.common.pb import trainer_pb2, trainer_pb2_grpc
+from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.trainer.config import TrainerSettings
+from services.trainer.job import CheckpointUnavailable
+from services.trainer.worker import NoJobError, TrainerWorker
 
-def register(server: grpc.aio.Server) -> list[str]:
-    """Add the trainer's servicers to `server`; returns their service names for health checks."""
-    return []
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    """Status and control of one trainer; training data itself arrives on Redis streams."""
+
+    def __init__(self, worker: TrainerWorker) -> None:
+        self.worker = worker
+
+    async def GetStatus(
+        self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:
+        return self.worker.progress.to_proto()
+
+    async def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        try:
+            handle = await self.worker.checkpoint(request.job_id)
+        except (NoJobError, CheckpointUnavailable) as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return trainer_pb2.SaveCheckpointResponse(handle=handle)
+
+    async def Stop(
+        self, request: trainer_pb2.StopTrainerRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.StopTrainerResponse:
+        # save_checkpoint needs no work: the job stops at a step boundary, and every step
+        # ends with a checkpoint of its weights.
+        try:
+            handle = await self.worker.stop_job(request.reason)
+        except NoJobError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return trainer_pb2.StopTrainerResponse(last_checkpoint=handle)
+
+
+def registrar(worker: TrainerWorker) -> Register:
+    """The ``register`` callback of grpc_server.serve for this worker's servicer."""
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(worker), server)
+        return [SERVICE_NAME]
+
+    return register
+
+
+async def serve_trainer(settings: TrainerSettings) -> None:
+    """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
+    from services.trainer.policy import select_device  # torch is slow to import
+
+    try:
+        device = select_device(settings.device)
+    except RuntimeError as err:
+        raise SystemExit(f"{settings.service_name}: {err}") from None
+    bus = Bus.from_url(require_redis_url(settings))
+    worker = TrainerWorker(bus, settings, device)
+    try:
+        await serve(settings, registrar(worker), background=worker.run)
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    """``python -m services.trainer``: settings from VERST_TRAINER_* and REDIS_URL."""
+    settings = load_settings(TrainerSettings)
+    setup_logging(settings.service_name, settings.log_level)
+    require_redis_url(settings)
+    asyncio.run(serve_trainer(settings))

@@ -1,0 +1,160 @@
+"""Gathers a job's trajectories into complete groups (the samples of one prompt).
+
+Idempotent by trajectory id: an id trained before is reported so the caller
+acks it without training it again; a second delivery of an id still buffered
+is kept only for its ack, and one of a group already trained or dropped
+is reported for an immediate ack. A group is complete with ``group_size`` distinct
+trajectories. A complete group is unusable when a member is malformed or
+unscored (dead-lettered by the caller with the reason), or stale: its oldest
+token was sampled by a policy version below the allowed minimum.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from services.common.bus import Delivery
+from services.common.pb import common_pb2
+
+Trajectory = common_pb2.Trajectory
+
+
+class Outcome(enum.Enum):
+    BUFFERED = "buffered"
+    """Kept: its group is not complete yet, or it just completed it."""
+    REDELIVERED = "redelivered"
+    """An id already buffered: kept only to be acked with its group."""
+    DONE = "done"
+    """An id trained in an earlier step, or of a group already dropped: ack it now."""
+    REJECTED = "rejected"
+    """Cannot join any group (see the reason): dead-letter it now."""
+
+
+@dataclass(slots=True)
+class Group:
+    group_id: str
+    trajectories: dict[str, Trajectory] = field(default_factory=dict)
+    deliveries: list[Delivery[Trajectory]] = field(default_factory=list)
+    """Every delivery of its members, redeliveries included: all are acked together."""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The lowest policy version of any token of the group; None without tokens."""
+        versions = [min(t.policy_versions) for t in self.trajectories.values() if t.policy_versions]
+        return min(versions) if versions else None
+
+    def ordered(self) -> list[Trajectory]:
+        """The members by sample index (then id), so advantages line up deterministically."""
+        return sorted(self.trajectories.values(), key=lambda t: (t.sample_index, t.id))
+
+
+@dataclass(slots=True)
+class Unusable:
+    """Complete groups that will not be trained, and why."""
+
+    stale: list[Group] = field(default_factory=list)
+    invalid: list[Group] = field(default_factory=list)
+
+
+def trajectory_problem(trajectory: Trajectory, job_id: str, group_size: int) -> str | None:
+    """Why a trajectory cannot be trained on, or None when it can."""
+    n = len(trajectory.response_token_ids)
+    aligned = {
+        "behaviour_logprobs": len(trajectory.behaviour_logprobs),
+        "loss_mask": len(trajectory.loss_mask),
+        "policy_versions": len(trajectory.policy_versions),
+    }
+    misaligned = [f"{name} has {count}" for name, count in aligned.items() if count != n]
+    if trajectory.job_id != job_id:
+        return f"job_id {trajectory.job_id!r} is not this job {job_id!r}"
+    if trajectory.reward_error:
+        return f"scoring failed: {trajectory.reward_error}"
+    if misaligned:
+        return f"{n} response tokens but " + ", ".join(misaligned)
+    if not trajectory.prompt_token_ids:
+        return "no prompt tokens"
+    if trajectory.group_size and trajectory.group_size != group_size:
+        return f"group_size {trajectory.group_size} differs from the job's {group_size}"
+    if not 0 <= trajectory.sample_index < group_size:
+        return f"sample_index {trajectory.sample_index} is outside 0..{group_size - 1}"
+    if not math.isfinite(trajectory.reward):
+        return f"reward {trajectory.reward} is not finite"
+    if not all(math.isfinite(value) for value in trajectory.behaviour_logprobs):
+        return "a behaviour logprob is not finite"
+    return None
+
+
+class GroupCollector:
+    """Buffers trajectories by group until groups are complete."""
+
+    def __init__(self, job_id: str, group_size: int, trained_ids: set[str]) -> None:
+        self.job_id = job_id
+        self.group_size = group_size
+        self.trained_ids = trained_ids
+        """Ids trained so far; shared with the caller, which adds each step's ids."""
+        self._open: dict[str, Group] = {}
+        self._complete: dict[str, Group] = {}
+        self._finished: set[str] = set()
+        self._group_of: dict[str, str] = {}
+
+    def add(self, delivery: Delivery[Trajectory]) -> tuple[Outcome, str]:
+        """File one delivery; returns what happened and, for REJECTED, why."""
+        trajectory = delivery.message
+        group_id = self._group_of.get(trajectory.id)
+        if trajectory.id in self.trained_ids or group_id in self._finished:
+            return Outcome.DONE, ""
+        if group_id is not None:
+            group = self._open.get(group_id) or self._complete[group_id]
+            group.deliveries.append(delivery)
+            return Outcome.REDELIVERED, ""
+        if not trajectory.id or not trajectory.group_id:
+            return Outcome.REJECTED, "trajectory has no id or no group_id"
+        if trajectory.group_id in self._finished or trajectory.group_id in self._complete:
+            return Outcome.REJECTED, f"group {trajectory.group_id!r} already had {self.group_size} members"
+        group = self._open.setdefault(trajectory.group_id, Group(trajectory.group_id))
+        group.trajectories[trajectory.id] = trajectory
+        group.deliveries.append(delivery)
+        self._group_of[trajectory.id] = group.group_id
+        problem = trajectory_problem(trajectory, self.job_id, self.group_size)
+        if problem:
+            group.problems.append(f"trajectory {trajectory.id!r}: {problem}")
+        if len(group.trajectories) >= self.group_size:
+            self._complete[group.group_id] = self._open.pop(group.group_id)
+        return Outcome.BUFFERED, ""
+
+    def discard_unusable(self, min_version: int) -> Unusable:
+        """Remove complete groups that are invalid or older than ``min_version``."""
+        unusable = Unusable()
+        for group in list(self._complete.values()):
+            oldest = group.oldest_version
+            if group.problems:
+                unusable.invalid.append(group)
+            elif oldest is not None and oldest < min_version:
+                unusable.stale.append(group)
+            else:
+                continue
+            self._finish(group)
+        return unusable
+
+    @property
+    def complete(self) -> int:
+        return len(self._complete)
+
+    def take(self, count: int) -> list[Group]:
+        """The ``count`` earliest complete groups, removed from the buffer."""
+        taken = list(self._complete.values())[:count]
+        for group in taken:
+            self._finish(group)
+        return taken
+
+    def buffered_entry_ids(self) -> list[str]:
+        """Stream entries held in the buffer (unacked), for keep-alives."""
+        groups = [*self._open.values(), *self._complete.values()]
+        return [delivery.entry_id for group in groups for delivery in group.deliveries]
+
+    def _finish(self, group: Group) -> None:
+        del self._complete[group.group_id]
+        self._finished.add(group.group_id)

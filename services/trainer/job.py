@@ -1,0 +1,456 @@
+"""One job, from its claim to its last step: the trainer's loop, top-down.
+
+load (or resume) -> publish v0 -> for each step: collect groups -> advantages ->
+optimise -> checkpoint -> publish the handle -> ack the trajectories -> metrics.
+
+Trajectories are acked only after the checkpoint that trained them is written
+and announced, so a trainer that dies mid-step loses nothing: its successor
+resumes from the newest checkpoint (whose ``trained_ids.json`` says what not
+to train again) and reclaims the unacked entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from redis.exceptions import RedisError
+
+from services.common.bus import Bus, Delivery
+from services.common.config import JobSpec
+from services.common.consumer import StreamConsumer
+from services.common.pb import common_pb2, trainer_pb2
+from services.common.streams import JOBS, JobStreams, job_key
+from services.trainer.advantages import get_advantage
+from services.trainer.batching import TrainSample
+from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
+from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
+from services.trainer.config import TrainerSettings
+from services.trainer.losses import get_policy_loss, sample_token_weights
+from services.trainer.policy import Policy, StepStats, deepspeed_config, init_distributed
+
+log = logging.getLogger(__name__)
+
+JOB_GROUP = "trainers"
+"""Consumer group of trainers on verst:jobs."""
+TRAJECTORY_GROUP = "trainer"
+"""Consumer group of the trainer on a job's trajectories stream."""
+TERMINAL_STATES = frozenset(
+    common_pb2.JobState.Name(state)
+    for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
+)
+Trajectory = common_pb2.Trajectory
+
+
+class StopKind(enum.Enum):
+    SHUTDOWN = "shutdown"
+    """The process is stopping: leave the job unacked for another trainer."""
+    LOST = "lost"
+    """Another trainer holds the job now: leave it."""
+    REQUESTED = "requested"
+    """Stop RPC: report the job CANCELLED and ack it."""
+    ENDED_ELSEWHERE = "ended elsewhere"
+    """The job store says the job is over (cancelled by the api, say): ack it quietly."""
+
+
+class JobStopped(Exception):
+    def __init__(self, kind: StopKind, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+class CheckpointUnavailable(Exception):
+    """The job has no checkpoint of its current weights (it is still loading, or failed to)."""
+
+
+class JobControl:
+    """Stop requests for the running job, checked between steps and between reads."""
+
+    def __init__(self, shutdown: asyncio.Event) -> None:
+        self.shutdown = shutdown
+        self._stop: JobStopped | None = None
+
+    def stop(self, stop: JobStopped) -> None:
+        if self._stop is None:
+            self._stop = stop
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop is not None or self.shutdown.is_set()
+
+    def check(self) -> None:
+        if self.shutdown.is_set():
+            raise JobStopped(StopKind.SHUTDOWN, "the trainer is shutting down")
+        if self._stop is not None:
+            raise self._stop
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the Trainer service's GetStatus reports; updated by the running job."""
+
+    trainer_id: str
+    job_id: str = ""
+    state: int = trainer_pb2.TRAINER_STATE_IDLE
+    policy_version: int = 0
+    step: int = 0
+    consumed_trajectories: int = 0
+    last_checkpoint: common_pb2.CheckpointHandle | None = None
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_proto(self) -> trainer_pb2.TrainerStatus:
+        status = trainer_pb2.TrainerStatus(
+            trainer_id=self.trainer_id,
+            job_id=self.job_id,
+            state=self.state,
+            policy_version=self.policy_version,
+            step=self.step,
+            consumed_trajectories=self.consumed_trajectories,
+            last_metrics=self.last_metrics,
+        )
+        if self.last_checkpoint is not None:
+            status.last_checkpoint.CopyFrom(self.last_checkpoint)
+        return status
+
+
+@dataclass(slots=True)
+class DropCounts:
+    """What one step's collection skipped, reported in its Metric."""
+
+    stale: int = 0
+    invalid: int = 0
+    zero_variance: int = 0
+    duplicates: int = 0
+
+
+def check_supported(spec: JobSpec) -> None:
+    """Fail fast, with the field's name, on a JobSpec this trainer cannot honour."""
+    get_advantage(spec.algorithm.advantage)
+    get_policy_loss(spec.algorithm.policy_loss)
+    sample_token_weights([1], spec.algorithm.loss_aggregation, spec.rollout.max_new_tokens)
+    deepspeed_config(spec.trainer, spec.model.dtype)
+    algorithm = spec.algorithm
+    unsupported = {
+        "algorithm.kl_coef > 0 (needs a reference model)": algorithm.kl_coef > 0,
+        "algorithm.entropy_coef > 0": algorithm.entropy_coef > 0,
+        "algorithm.tis_cap": algorithm.tis_cap is not None,
+        "algorithm.stale_policy 'downweight'": algorithm.stale_policy == "downweight",
+    }
+    named = [name for name, present in unsupported.items() if present]
+    if named:
+        raise ValueError(f"not supported by this trainer yet: {', '.join(named)}")
+
+
+def build_samples(groups: Iterable[Group], spec: JobSpec) -> tuple[list[TrainSample], list[float]]:
+    """Training samples with their advantages, and the rewards they came with."""
+    members = [group.ordered() for group in groups]
+    rewards = torch.tensor([[t.reward for t in group] for group in members], dtype=torch.float64)
+    advantages = get_advantage(spec.algorithm.advantage)(rewards)
+    samples = [
+        TrainSample(
+            prompt_token_ids=list(t.prompt_token_ids),
+            response_token_ids=list(t.response_token_ids),
+            loss_mask=list(t.loss_mask),
+            behaviour_logprobs=list(t.behaviour_logprobs),
+            advantage=float(advantage),
+        )
+        for group, row in zip(members, advantages, strict=True)
+        for t, advantage in zip(group, row, strict=True)
+    ]
+    return samples, rewards.flatten().tolist()
+
+
+def unique_deliveries(groups: Iterable[Group]) -> list[Delivery[Trajectory]]:
+    """Each stream entry of the groups once (a reclaimed entry is delivered twice)."""
+    seen: dict[str, Delivery[Trajectory]] = {}
+    for group in groups:
+        for delivery in group.deliveries:
+            seen.setdefault(delivery.entry_id, delivery)
+    return list(seen.values())
+
+
+class JobRun:
+    """Trains one job; ``run`` returns after its last step or raises JobStopped or an error."""
+
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        settings: TrainerSettings,
+        consumer: str,
+        job_id: str,
+        spec: JobSpec,
+        submission_entry_id: str,
+        control: JobControl,
+        progress: Progress,
+        device: torch.device,
+    ) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.consumer = consumer
+        self.job_id = job_id
+        self.spec = spec
+        self.submission_entry_id = submission_entry_id
+        self.control = control
+        self.progress = progress
+        self.device = device
+        self.streams = JobStreams(job_id)
+        self.store = CheckpointStore(Path(spec.trainer.checkpoint_dir), job_id, spec.trainer.keep_checkpoints)
+        self.trained_ids: set[str] = set()
+        self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.trained_ids)
+        self.version = 0
+        self.policy: Policy | None = None
+        self.model_lock = asyncio.Lock()
+        self.drops = DropCounts()
+        self._in_training: list[Delivery[Trajectory]] = []
+
+    async def run(self) -> None:
+        check_supported(self.spec)
+        keepalive = asyncio.create_task(self._keep_alive())
+        try:
+            async with self.model_lock:  # a SaveCheckpoint call meanwhile waits for v0
+                self._enter(trainer_pb2.TRAINER_STATE_LOADING)
+                resumed = await asyncio.to_thread(self._load)
+                self.control.check()
+                await self._publish_first_checkpoint(resumed)
+            consumer = StreamConsumer(
+                self.bus,
+                self.streams.trajectories,
+                TRAJECTORY_GROUP,
+                self.consumer,
+                Trajectory,
+                count=256,
+                block_ms=self.settings.poll_block_ms,
+                reclaim_idle_ms=self.settings.trajectory_reclaim_idle_ms,
+            )
+            while self.version < self.spec.trainer.steps:
+                groups = await self._collect(consumer)
+                await self._train_step(consumer, groups)
+                self.control.check()
+        finally:
+            keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keepalive
+            # On shutdown a step may still run in its thread; the process exit frees the memory.
+            if self.policy is not None and not self.control.shutdown.is_set():
+                await asyncio.to_thread(self.policy.close)
+
+    # -- load and first checkpoint -------------------------------------------------------
+
+    def _load(self) -> SavedCheckpoint | None:
+        """Blocking: the newest checkpoint of this job if there is one, else the base model."""
+        self.store.remove_partial()
+        resumed = self.store.latest()
+        if resumed is not None:
+            model_dir = tokenizer_dir = resumed.directory
+            log.info("job %s: resuming from its checkpoint v%d", self.job_id, resumed.handle.version)
+        else:
+            from services.common.basemodel import resolve_model_path  # builds a builtin model on demand
+
+            model_dir = resolve_model_path(self.spec.model.path)
+            tokenizer = self.spec.model.tokenizer
+            tokenizer_dir = resolve_model_path(tokenizer) if tokenizer else model_dir
+        init_distributed(self.device)
+        completed = int(resumed.handle.version) if resumed else 0
+        self.policy = Policy.load(self.spec, model_dir, tokenizer_dir, self.device, completed)
+        return resumed
+
+    async def _publish_first_checkpoint(self, resumed: SavedCheckpoint | None) -> None:
+        if resumed is None:
+            await self._checkpoint()
+            return
+        self.version = int(resumed.handle.version)
+        self.trained_ids.update(resumed.trained_ids)
+        self._report_version()
+        self.progress.last_checkpoint = resumed.handle
+        newest = await self.bus.latest(self.streams.checkpoints, common_pb2.CheckpointHandle)
+        if newest is None or newest.version < self.version:
+            await self.bus.publish(self.streams.checkpoints, resumed.handle)
+
+    async def _checkpoint(self) -> SavedCheckpoint:
+        """Save the current weights as checkpoint ``self.version`` and announce it."""
+        assert self.policy is not None
+        self._enter(trainer_pb2.TRAINER_STATE_SAVING)
+        saved = await asyncio.to_thread(
+            self.store.save, self.version, self.version, self.policy.save, set(self.trained_ids)
+        )
+        await self.bus.publish(self.streams.checkpoints, saved.handle)
+        self.progress.last_checkpoint = saved.handle
+        self._report_version()
+        log.info("job %s: published checkpoint v%d (%s)", self.job_id, self.version, saved.directory)
+        return saved
+
+    async def latest_checkpoint(self) -> common_pb2.CheckpointHandle:
+        """The checkpoint of the current weights, once any step in progress has finished.
+
+        Every version is checkpointed as soon as its step ends, so this waits and returns it.
+        """
+        async with self.model_lock:
+            handle = self.progress.last_checkpoint
+            if handle is None or handle.version != self.version:
+                raise CheckpointUnavailable(f"job {self.job_id} has no checkpoint of its current weights")
+            return handle
+
+    def _enter(self, state: int) -> None:
+        """Report the phase the job is in (a requested stop keeps reporting STOPPING)."""
+        if not self.control.stopping:
+            self.progress.state = state
+
+    def _report_version(self) -> None:
+        self.progress.policy_version = self.version
+        self.progress.step = self.version
+
+    # -- one step ------------------------------------------------------------------------
+
+    async def _collect(self, consumer: StreamConsumer[Trajectory]) -> list[Group]:
+        """Wait for ``prompts_per_step`` complete, fresh, valid groups."""
+        self._enter(trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA)
+        wanted = self.spec.rollout.prompts_per_step
+        while True:
+            self.control.check()
+            min_version = self.version - self.spec.algorithm.max_staleness
+            await self._drop(consumer, self.collector.discard_unusable(min_version))
+            if self.collector.complete >= wanted:
+                return self.collector.take(wanted)
+            for delivery in await consumer.poll():
+                outcome, reason = self.collector.add(delivery)
+                if outcome is Outcome.DONE:
+                    self.drops.duplicates += 1
+                    await consumer.ack([delivery])
+                elif outcome is Outcome.REDELIVERED:
+                    self.drops.duplicates += 1
+                elif outcome is Outcome.REJECTED:
+                    await consumer.dead_letter(delivery, reason)
+
+    async def _drop(self, consumer: StreamConsumer[Trajectory], unusable: Unusable) -> None:
+        """Ack stale groups; dead-letter invalid ones with their problems as the reason."""
+        for group in unusable.stale:
+            log.info(
+                "job %s: dropped stale group %s (v%s)", self.job_id, group.group_id, group.oldest_version
+            )
+            await consumer.ack(group.deliveries)
+        for group in unusable.invalid:
+            reason = f"group {group.group_id!r} cannot be trained: " + "; ".join(group.problems)
+            log.warning("job %s: %s", self.job_id, reason)
+            for delivery in unique_deliveries([group]):
+                await consumer.dead_letter(delivery, reason)
+        self.drops.stale += len(unusable.stale)
+        self.drops.invalid += len(unusable.invalid)
+
+    async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
+        """Optimise on the groups, checkpoint, announce, then ack them and report the step."""
+        collected_at = time.monotonic()
+        trainable = [g for g in groups if not self._zero_variance(g)]
+        self.drops.zero_variance += len(groups) - len(trainable)
+        self._in_training = unique_deliveries(groups)
+        if not trainable:  # nothing to learn from: these groups are done, the version stays
+            await consumer.ack(self._in_training)
+            self._in_training = []
+            return
+        samples, rewards = build_samples(trainable, self.spec)
+        async with self.model_lock:
+            assert self.policy is not None
+            self._enter(trainer_pb2.TRAINER_STATE_TRAINING)
+            seed = self.spec.seed * 1_000_003 + self.version
+            stats = await asyncio.to_thread(self.policy.optimise, samples, seed)
+            optimised_at = time.monotonic()
+            self.trained_ids.update(t for group in trainable for t in group.trajectories)
+            self.version += 1
+            await self._checkpoint()
+        saved_at = time.monotonic()
+        await consumer.ack(self._in_training)
+        self._in_training = []
+        await asyncio.to_thread(self.store.prune)
+        timings = (optimised_at - collected_at, saved_at - optimised_at)
+        await self._publish_metrics(stats, samples, rewards, timings)
+
+    def _zero_variance(self, group: Group) -> bool:
+        if not self.spec.algorithm.filter_zero_variance_groups:
+            return False
+        return len({t.reward for t in group.trajectories.values()}) == 1
+
+    async def _publish_metrics(
+        self,
+        stats: StepStats,
+        samples: list[TrainSample],
+        rewards: list[float],
+        timings: tuple[float, float],
+    ) -> None:
+        optimise_s, checkpoint_s = timings
+        values = {
+            "loss": stats.loss,
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "clip_fraction": stats.clip_fraction,
+            "approx_kl": stats.approx_kl,
+            "grad_norm": stats.grad_norm,
+            "learning_rate": stats.learning_rate,
+            "response_tokens": float(sum(len(s.response_token_ids) for s in samples)),
+            "stale_dropped": float(self.drops.stale),
+            "invalid_dropped": float(self.drops.invalid),
+            "zero_variance_dropped": float(self.drops.zero_variance),
+            "duplicates_skipped": float(self.drops.duplicates),
+            "step_seconds": optimise_s + checkpoint_s,
+            "checkpoint_seconds": checkpoint_s,
+            "tokens_per_s": stats.tokens / optimise_s if optimise_s > 0 else 0.0,
+        }
+        self.drops = DropCounts()
+        metric = common_pb2.Metric(
+            job_id=self.job_id,
+            step=self.version,
+            policy_version=self.version,
+            source="trainer",
+            values=values,
+        )
+        metric.time.GetCurrentTime()
+        await self.bus.publish(self.streams.metrics, metric)
+        self.progress.consumed_trajectories += len(samples)
+        self.progress.last_metrics = values
+        log.info(
+            "job %s: step %d loss %.4f reward %.3f clip %.3f kl %.2e grad %.3f (%.2fs)",
+            *(self.job_id, self.version, stats.loss, values["reward_mean"], stats.clip_fraction),
+            *(stats.approx_kl, stats.grad_norm, values["step_seconds"]),
+        )
+
+    # -- keep-alive ------------------------------------------------------------------------
+
+    async def _keep_alive(self) -> None:
+        """Renew the claims on the job and the held trajectories, so that no other trainer
+        takes them while this one works; notice when the job ended elsewhere."""
+        while True:
+            await asyncio.sleep(self.settings.keepalive_s)
+            try:
+                await self._renew_claims()
+                state = await self.bus.redis.hget(job_key(self.job_id), "state")
+                if state is not None and state.decode() in TERMINAL_STATES:
+                    reason = f"the job store has the job {state.decode()}"
+                    self.control.stop(JobStopped(StopKind.ENDED_ELSEWHERE, reason))
+            except JobStopped as stop:
+                self.control.stop(stop)
+                return
+            except RedisError as err:
+                log.warning("job %s: keep-alive failed, retrying: %s", self.job_id, err)
+
+    async def _renew_claims(self) -> None:
+        redis = self.bus.redis
+        entry = self.submission_entry_id
+        rows = await redis.xpending_range(JOBS, JOB_GROUP, min=entry, max=entry, count=1)
+        owner = rows[0]["consumer"].decode() if rows else None
+        if owner != self.consumer:
+            raise JobStopped(StopKind.LOST, f"the job's claim is now held by {owner or 'nobody'}")
+        # XCLAIM ... JUSTID resets an entry's idle time without counting a delivery.
+        await redis.xclaim(JOBS, JOB_GROUP, self.consumer, 0, [entry], justid=True)
+        held = self.collector.buffered_entry_ids() + [d.entry_id for d in self._in_training]
+        if held:
+            await redis.xclaim(
+                self.streams.trajectories, TRAJECTORY_GROUP, self.consumer, 0, held, justid=True
+            )

@@ -1,0 +1,120 @@
+"""Policy losses, registered by the name a JobSpec uses (``algorithm.policy_loss``), and the
+token weights of the loss aggregations (``algorithm.loss_aggregation``).
+
+A loss sees per-token tensors of one micro-batch and returns ``sum(weights *
+token_loss)``. The weights carry the aggregation over the *whole* rollout
+batch (a token mean divides by the batch's token count, not the micro-batch's),
+so the gradients accumulated over micro-batches equal the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.config import AlgorithmConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossInputs:
+    """Per-token tensors, all ``[batch, tokens]`` and aligned."""
+
+    logprobs: torch.Tensor
+    """log p of each token under the policy being trained (carries the gradient)."""
+    behaviour_logprobs: torch.Tensor
+    """log p of each token under the weights that sampled it."""
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    """bool: the tokens that count (response tokens with loss_mask true)."""
+    weights: torch.Tensor
+    """Aggregation weight of each token; zero off the mask."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Scalar: the weighted sum of the token losses."""
+    clip_fraction: float
+    """Share of masked tokens whose clipped term was the active one."""
+    approx_kl: float
+    """Mean k3 estimate of KL(behaviour || policy) over masked tokens: (r - 1) - log r."""
+    tokens: int
+    """Masked tokens seen, to combine the means of several micro-batches."""
+
+
+PolicyLossFn = Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]
+
+_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Make a loss available as ``algorithm.policy_loss: <name>``."""
+
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        _LOSSES[name] = fn
+        return fn
+
+    return add
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The loss registered as ``name``; ValueError naming the available ones otherwise."""
+    try:
+        return _LOSSES[name]
+    except KeyError:
+        available = ", ".join(sorted(_LOSSES))
+        raise ValueError(
+            f"algorithm.policy_loss {name!r} is not available in this trainer (available: {available})"
+        ) from None
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
+    """PPO's clipped surrogate, with clip-higher (clip_low != clip_high) and optional dual-clip."""
+    mask = inputs.mask
+    # Padding may hold anything; zero its log-ratio so exp() cannot overflow into the sum.
+    log_ratio = torch.where(mask, inputs.logprobs - inputs.behaviour_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - algorithm.clip_low, 1.0 + algorithm.clip_high)
+    unclipped_loss = -ratio * inputs.advantages
+    clipped_loss = -clipped * inputs.advantages
+    token_loss = torch.maximum(unclipped_loss, clipped_loss)
+    if algorithm.dual_clip is not None:
+        # Dual-clip: on negative advantages the loss is capped at -c * A, however large the ratio.
+        capped = torch.minimum(token_loss, -algorithm.dual_clip * inputs.advantages)
+        token_loss = torch.where(inputs.advantages < 0, capped, token_loss)
+    loss = (token_loss * torch.where(mask, inputs.weights, 0.0)).sum()
+    with torch.no_grad():
+        tokens = int(mask.sum())
+        clip_active = (clipped_loss > unclipped_loss) & mask
+        kl = torch.where(mask, (ratio - 1.0) - log_ratio, 0.0)
+        clip_fraction = float(clip_active.sum()) / tokens if tokens else 0.0
+        approx_kl = float(kl.sum()) / tokens if tokens else 0.0
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl, tokens=tokens)
+
+
+def sample_token_weights(loss_tokens: Sequence[int], aggregation: str, constant: int) -> list[float]:
+    """The weight of each loss token of each sample, so that the weighted sum of token
+    losses over the rollout batch is its aggregated loss.
+
+    ``loss_tokens``: loss-mask tokens per sample. ``token_mean``: 1 / all tokens.
+    ``sequence_mean``: 1 / (samples * the sample's tokens). ``constant`` (Dr. GRPO):
+    1 / (samples * constant), with constant the response budget.
+    """
+    count = len(loss_tokens)
+    if count == 0:
+        return []
+    if aggregation == "token_mean":
+        total = sum(loss_tokens)
+        return [1.0 / total if total else 0.0] * count
+    if aggregation == "sequence_mean":
+        return [1.0 / (count * tokens) if tokens else 0.0 for tokens in loss_tokens]
+    if aggregation == "constant":
+        if constant < 1:
+            raise ValueError("the constant of loss_aggregation 'constant' must be >= 1")
+        return [1.0 / (count * constant)] * count
+    raise ValueError(f"algorithm.loss_aggregation {aggregation!r} is not available in this trainer")

@@ -1,0 +1,585 @@
+"""The trainer: its group collector and checkpoint store, the DeepSpeed policy, and whole jobs
+through a real Redis (v0, steps, acks after checkpoints, idempotency, staleness, metrics,
+status, resume, failures, the Trainer gRPC service)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import random
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+import torch
+from google.protobuf.message import Message
+from redis.exceptions import ResponseError
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from services.common.bus import DATA_FIELD, Bus, Delivery
+from services.common.config import TrainerConfig, parse_job_spec
+from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.streams import JOBS, JobStreams, job_key
+from services.trainer.batching import TrainSample
+from services.trainer.checkpoints import TRAINED_IDS_FILE, CheckpointStore
+from services.trainer.collector import GroupCollector, Outcome
+from services.trainer.config import TrainerSettings
+from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
+from services.trainer.policy import Policy, init_distributed, learning_rate_schedule
+from services.trainer.server import registrar
+from services.trainer.worker import TrainerWorker
+
+M = TypeVar("M", bound=Message)
+FAST_SETTINGS: dict[str, Any] = {
+    "port": 0,
+    "poll_block_ms": 50,
+    "keepalive_s": 0.5,
+    "job_reclaim_idle_ms": 5000,
+    "trajectory_reclaim_idle_ms": 5000,
+}
+CPU = torch.device("cpu")
+DEADLINE_S = 90.0
+
+
+# -- a tiny model -------------------------------------------------------------------------
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab |= {chr(code): 4 + i for i, code in enumerate(range(32, 127))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (hidden 32) with a 99-token character vocabulary."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def encode(text: str) -> list[int]:
+    return [1, *char_tokenizer()(text, add_special_tokens=False).input_ids]
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(model_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+
+
+def response_logprobs(model_dir: Path, prompt: list[int], response: list[int]) -> list[float]:
+    """log p of each response token under the weights in ``model_dir``, computed with plain HF."""
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + j, token]) for j, token in enumerate(response)]
+
+
+def job_spec(model_dir: Path, runs: Path, **trainer: Any) -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "model": {"path": str(model_dir)},
+        "algorithm": {"group_size": 2, "max_staleness": 0},
+        "rollout": {"prompts_per_step": 2, "max_new_tokens": 8},
+        "trainer": {
+            "steps": 2,
+            "learning_rate": 1e-3,
+            "micro_batch_tokens": 32,  # several micro-batches per step
+            "checkpoint_dir": str(runs),
+            "keep_checkpoints": 1,
+            **trainer,
+        },
+    }
+
+
+# -- the collector and the checkpoint store (no Redis, no model) -----------------------------
+
+
+def trajectory(group: str, index: int, *, version: int = 0, reward: float = 0.0, **fields: Any) -> Any:
+    values: dict[str, Any] = {
+        "id": f"{group}:{index}",
+        "job_id": "job",
+        "prompt_id": group,
+        "group_id": group,
+        "sample_index": index,
+        "group_size": 2,
+        "prompt_token_ids": [1, 20, 21],
+        "response_token_ids": [22, 2],
+        "behaviour_logprobs": [-1.0, -2.0],
+        "loss_mask": [True, True],
+        "policy_versions": [version, version],
+        "reward": reward,
+    }
+    return common_pb2.Trajectory(**(values | fields))
+
+
+def delivered(message: common_pb2.Trajectory, entry: int) -> Delivery[common_pb2.Trajectory]:
+    return Delivery("stream", f"{entry}-0", message, 1)
+
+
+def test_collector_completes_groups_and_skips_what_it_has_seen() -> None:
+    trained: set[str] = {"old:0"}
+    collector = GroupCollector("job", 2, trained)
+    assert collector.add(delivered(trajectory("old", 0), 1)) == (Outcome.DONE, "")
+    assert collector.add(delivered(trajectory("a", 0), 2))[0] is Outcome.BUFFERED
+    assert collector.add(delivered(trajectory("a", 0), 3))[0] is Outcome.REDELIVERED
+    assert collector.complete == 0
+    assert collector.add(delivered(trajectory("a", 1), 4))[0] is Outcome.BUFFERED
+    assert collector.complete == 1
+    assert sorted(collector.buffered_entry_ids()) == ["2-0", "3-0", "4-0"]
+    [group] = collector.take(1)
+    assert [t.id for t in group.ordered()] == ["a:0", "a:1"]
+    assert len(group.deliveries) == 3
+    late = collector.add(delivered(trajectory("a", 1, id="a:9"), 5))
+    assert late[0] is Outcome.REJECTED and "already had 2 members" in late[1]
+    assert collector.add(delivered(trajectory("a", 1), 6))[0] is Outcome.DONE
+
+
+def test_collector_drops_stale_and_invalid_groups() -> None:
+    collector = GroupCollector("job", 2, set())
+    for index in range(2):
+        collector.add(delivered(trajectory("stale", index, version=3), index))
+        collector.add(delivered(trajectory("fresh", index, version=4), 10 + index))
+    collector.add(delivered(trajectory("bad", 0, reward_error="verifier timed out"), 20))
+    collector.add(delivered(trajectory("bad", 1, loss_mask=[True]), 21))
+    unusable = collector.discard_unusable(min_version=4)
+    assert [g.group_id for g in unusable.stale] == ["stale"]
+    [bad] = unusable.invalid
+    assert "scoring failed: verifier timed out" in bad.problems[0]
+    assert "2 response tokens but loss_mask has 1" in bad.problems[1]
+    assert [g.group_id for g in collector.take(5)] == ["fresh"]
+    assert collector.add(delivered(trajectory("", 0, id="x"), 30))[0] is Outcome.REJECTED
+
+
+def test_checkpoint_store_writes_atomically_and_prunes(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, "job", keep=2)
+
+    def write(directory: Path) -> None:
+        save_file({"w": torch.arange(4.0)}, str(directory / "model.safetensors"))
+
+    for version in range(5):
+        saved = store.save(version, version, write, {f"t{version}"})
+        assert saved.directory == tmp_path.resolve() / "job" / f"v{version:06d}"
+    with pytest.raises(FileExistsError):
+        store.save(4, 4, write, [])
+    (store.job_dir / ".v000005.tmp-1").mkdir()
+    assert store.prune() == [1, 2]
+    assert store.versions() == [0, 3, 4]
+    latest = store.latest()
+    assert latest is not None and latest.handle.version == 4 and latest.trained_ids == {"t4"}
+    digest = hashlib.sha256((latest.directory / "model.safetensors").read_bytes()).hexdigest()
+    assert latest.handle.sha256 == digest
+    store.remove_partial()
+    assert not any(p.name.startswith(".") for p in store.job_dir.iterdir())
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+        store.save(9, 9, lambda directory: None, [])
+    assert store.versions() == [0, 3, 4]
+
+
+# -- the policy (DeepSpeed, no Redis) --------------------------------------------------------
+
+
+def fixed_batch(model_dir: Path) -> list[TrainSample]:
+    rng = random.Random(0)
+    samples = []
+    for i in range(6):
+        prompt = encode(f"{10 + i}+{20 + i}=")
+        response = [rng.randint(4, 98) for _ in range(rng.randint(2, 6))] + [2]
+        behaviour = response_logprobs(model_dir, prompt, response)
+        samples.append(TrainSample(prompt, response, [True] * len(response), behaviour, 1.0 - 2 * (i % 2)))
+    return samples
+
+
+def load_policy(model_dir: Path, **trainer: Any) -> Policy:
+    init_distributed(CPU)
+    spec = parse_job_spec(job_spec(model_dir, Path("unused"), **trainer))
+    return Policy.load(spec, model_dir, model_dir, CPU)
+
+
+def test_policy_learns_on_a_fixed_batch(model_dir: Path) -> None:
+    samples = fixed_batch(model_dir)
+    policy = load_policy(model_dir, learning_rate=3e-3, micro_batch_tokens=24)
+    try:
+        before = policy.response_logprobs(samples)
+        for got, behaviour in zip(before, samples, strict=True):
+            assert got == pytest.approx(behaviour.behaviour_logprobs, abs=1e-5)
+        losses = [policy.optimise(samples, seed=step).loss for step in range(4)]
+        after = policy.response_logprobs(samples)
+    finally:
+        policy.close()
+    assert losses[-1] < losses[0]
+    for sample, old, new in zip(samples, before, after, strict=True):
+        change = sum(new) - sum(old)
+        assert change > 0 if sample.advantage > 0 else change < 0
+
+
+def test_packing_into_micro_batches_does_not_change_the_step(model_dir: Path) -> None:
+    samples = fixed_batch(model_dir)
+    results = []
+    for budget in (10_000, 16):
+        policy = load_policy(model_dir, micro_batch_tokens=budget)
+        try:
+            stats = policy.optimise(samples, seed=0)
+            results.append((stats, policy.response_logprobs(samples)))
+        finally:
+            policy.close()
+    (whole, whole_logprobs), (packed, packed_logprobs) = results
+    assert whole.loss == pytest.approx(packed.loss, abs=1e-6)
+    assert whole.grad_norm == pytest.approx(packed.grad_norm, rel=1e-5)
+    assert whole.grad_norm > 0
+    for a, b in zip(whole_logprobs, packed_logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+# -- whole jobs through Redis --------------------------------------------------------------
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], what: str, timeout: float = DEADLINE_S) -> Any:
+    """The first truthy result of ``check``, polled until the deadline."""
+    async with asyncio.timeout(timeout):
+        while True:
+            result = await check()
+            if result:
+                return result
+            await asyncio.sleep(0.02)
+    raise AssertionError(what)  # pragma: no cover
+
+
+async def entries(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
+    return [message_type.FromString(fields[DATA_FIELD]) for _, fields in await bus.redis.xrange(stream)]
+
+
+async def checkpoint(bus: Bus, job_id: str, version: int) -> common_pb2.CheckpointHandle:
+    async def newest() -> common_pb2.CheckpointHandle | None:
+        handle = await bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
+        return handle if handle is not None and handle.version >= version else None
+
+    return await eventually(newest, f"checkpoint v{version} of {job_id}")
+
+
+async def final_status(bus: Bus, job_id: str, nth: int = 1) -> common_pb2.JobStatus:
+    """The job's ``nth`` status report, once it is there."""
+
+    async def status() -> common_pb2.JobStatus | None:
+        found = await entries(bus, JobStreams(job_id).status, common_pb2.JobStatus)
+        return found[nth - 1] if len(found) >= nth else None
+
+    return await eventually(status, f"status of {job_id}")
+
+
+async def submit(bus: Bus, job_id: str, spec: dict[str, Any] | str) -> None:
+    spec_json = spec if isinstance(spec, str) else json.dumps(spec)
+    await bus.publish(JOBS, common_pb2.JobSubmission(job_id=job_id, spec_json=spec_json))
+
+
+@contextlib.asynccontextmanager
+async def trainer(
+    bus: Bus, **overrides: Any
+) -> AsyncIterator[tuple[TrainerWorker, trainer_pb2_grpc.TrainerStub]]:
+    """A trainer worker in this process, with its gRPC service on a free port."""
+    settings = TrainerSettings(**(FAST_SETTINGS | overrides))
+    worker = TrainerWorker(bus, settings, CPU)
+    server = grpc.aio.server()
+    registrar(worker)(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(worker.run(shutdown))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield worker, trainer_pb2_grpc.TrainerStub(channel)
+    finally:
+        shutdown.set()
+        await asyncio.wait_for(task, timeout=30)
+        await server.stop(0)
+
+
+def make_group(
+    job_id: str, group: str, rewards: tuple[float, float], version: int, model: Path
+) -> list[common_pb2.Trajectory]:
+    """Two samples of one prompt, with behaviour logprobs from the weights in ``model``."""
+    prompt = encode(f"{group}=")
+    result = []
+    for index, reward in enumerate(rewards):
+        response = [*encode(f"{index}{group[-1]}")[1:], 2]
+        result.append(
+            common_pb2.Trajectory(
+                id=f"{group}:{index}",
+                job_id=job_id,
+                prompt_id=group,
+                group_id=group,
+                sample_index=index,
+                group_size=2,
+                prompt_token_ids=prompt,
+                response_token_ids=response,
+                behaviour_logprobs=response_logprobs(model, prompt, response),
+                loss_mask=[True] * len(response),
+                policy_versions=[version] * len(response),
+                reward=reward,
+                finish_reason=common_pb2.FINISH_REASON_STOP,
+                num_turns=1,
+                split=common_pb2.SPLIT_TRAIN,
+            )
+        )
+    return result
+
+
+async def acked_only_after(bus: Bus, stream: str, directory: Path) -> None:
+    """Watch the trainer's pending entries: once taken (pending) and then acked, the
+    checkpoint directory must already exist."""
+    taken = False
+    while True:
+        try:
+            pending = await bus.pending_count(stream, TRAJECTORY_GROUP)
+        except ResponseError:  # the trainer has not created its group yet
+            pending = 0
+        if pending:
+            taken = True
+        elif taken:
+            assert directory.is_dir(), "trajectories were acked before their checkpoint existed"
+            return
+        await asyncio.sleep(0.005)
+
+
+def assert_hf_checkpoint(handle: common_pb2.CheckpointHandle, job_id: str, version: int) -> Path:
+    directory = Path(handle.uri.removeprefix("file://"))
+    assert handle.uri.startswith("file:///") and directory.is_absolute()
+    assert (handle.job_id, handle.version, handle.step) == (job_id, version, version)
+    assert handle.format == "safetensors"
+    weights = (directory / "model.safetensors").read_bytes()
+    assert handle.sha256 == hashlib.sha256(weights).hexdigest()
+    assert handle.size_bytes == len(weights)
+    assert handle.created_at.seconds > 0
+    AutoTokenizer.from_pretrained(directory)
+    return directory
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    left, right = (AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (a, b))
+    return all(torch.equal(left[k], right[k]) for k in left)
+
+
+async def metrics_of(bus: Bus, job_id: str) -> dict[int, dict[str, float]]:
+    found = await entries(bus, JobStreams(job_id).metrics, common_pb2.Metric)
+    assert all(m.source == "trainer" and m.policy_version == m.step for m in found)
+    return {m.step: dict(m.values) for m in found}
+
+
+async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
+    job_id, runs = "tiny-0001", tmp_path / "runs"
+    streams = JobStreams(job_id)
+    spec = job_spec(model_dir, runs)
+    async with trainer(bus) as (_, stub):
+        await submit(bus, job_id, spec)
+        v0 = assert_hf_checkpoint(await checkpoint(bus, job_id, 0), job_id, 0)
+        assert same_weights(v0, model_dir)
+
+        # Step 1: two groups sampled by v0, one trajectory delivered twice.
+        step1 = make_group(job_id, "g0", (1.0, 0.0), 0, v0) + make_group(job_id, "g1", (0.0, 1.0), 0, v0)
+        watcher = asyncio.create_task(acked_only_after(bus, streams.trajectories, runs / job_id / "v000001"))
+        await bus.publish_many(streams.trajectories, [step1[0], *step1])
+        v1 = assert_hf_checkpoint(await checkpoint(bus, job_id, 1), job_id, 1)
+        await asyncio.wait_for(watcher, DEADLINE_S)
+        assert not same_weights(v1, v0)
+        status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
+        assert (status.job_id, status.policy_version, status.last_checkpoint.version) == (job_id, 1, 1)
+        saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id=job_id), timeout=10)
+        assert saved.handle.version == 1
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id="other"), timeout=10)
+        assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        # Step 2: a stale group (v0 < 1 - max_staleness), a re-sent trained id, two fresh groups.
+        stale = make_group(job_id, "gs", (1.0, 0.0), 0, v0)
+        fresh = make_group(job_id, "g2", (1.0, 0.0), 1, v1) + make_group(job_id, "g3", (0.0, 1.0), 1, v1)
+        await bus.publish_many(streams.trajectories, [*stale, step1[1], *fresh])
+        assert_hf_checkpoint(await checkpoint(bus, job_id, 2), job_id, 2)
+        assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
+        assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+        assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
+        idle = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
+        assert idle.state == trainer_pb2.TRAINER_STATE_IDLE
+
+        trained = {f"g{g}:{i}" for g in range(4) for i in range(2)}
+        assert set(json.loads((runs / job_id / "v000002" / TRAINED_IDS_FILE).read_text())) == trained
+        assert sorted(p.name for p in (runs / job_id).iterdir()) == ["v000000", "v000002"]  # keep 1 + v0
+        metrics = await metrics_of(bus, job_id)
+        assert sorted(metrics) == [1, 2]
+        assert metrics[1]["clip_fraction"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-6
+        assert metrics[1]["reward_mean"] == 0.5 and metrics[1]["reward_std"] == 0.5
+        assert metrics[1]["response_tokens"] == sum(len(t.response_token_ids) for t in step1)
+        assert metrics[2]["stale_dropped"] == 1
+        assert metrics[1]["duplicates_skipped"] + metrics[2]["duplicates_skipped"] == 2
+        assert all(m["grad_norm"] > 0 and m["tokens_per_s"] > 0 for m in metrics.values())
+
+        # The same job again with one more step: it resumes from v2 and trains nothing twice.
+        await resume_for_one_more_step(bus, job_id, runs, model_dir, trained, resent=step1[2])
+
+
+async def resume_for_one_more_step(
+    bus: Bus, job_id: str, runs: Path, model_dir: Path, trained: set[str], resent: common_pb2.Trajectory
+) -> None:
+    streams = JobStreams(job_id)
+    await submit(bus, job_id, job_spec(model_dir, runs, steps=3))
+    v2 = runs / job_id / "v000002"
+    extra = make_group(job_id, "g4", (0.0, 1.0), 2, v2) + make_group(job_id, "g5", (1.0, 0.0), 2, v2)
+    await bus.publish_many(streams.trajectories, [resent, *extra])
+    assert_hf_checkpoint(await checkpoint(bus, job_id, 3), job_id, 3)
+    ids = set(json.loads((runs / job_id / "v000003" / TRAINED_IDS_FILE).read_text()))
+    assert ids == trained | {"g4:0", "g4:1", "g5:0", "g5:1"}
+    status = await final_status(bus, job_id, nth=2)
+    assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, 3)
+    assert (await metrics_of(bus, job_id))[3]["duplicates_skipped"] == 1
+    versions = [h.version for h in await entries(bus, streams.checkpoints, common_pb2.CheckpointHandle)]
+    assert versions == [0, 1, 2, 3]  # the resume did not publish anything again
+
+
+async def test_bad_jobs_fail_with_the_reason_and_the_trainer_carries_on(
+    bus: Bus, model_dir: Path, tmp_path: Path
+) -> None:
+    bad_jobs = {
+        "no-model": (job_spec(tmp_path / "missing", tmp_path), "does not exist"),
+        "bad-spec": (json.dumps({"trainer": {"stepz": 3}}), "trainer.stepz"),
+        "not-json": ("{", "JSONDecodeError"),
+        "kl": (job_spec(model_dir, tmp_path) | {"algorithm": {"kl_coef": 0.1}}, "algorithm.kl_coef"),
+    }
+    async with trainer(bus):
+        for job_id, (spec, _) in bad_jobs.items():
+            await submit(bus, job_id, spec)
+        for job_id, (_, reason) in bad_jobs.items():
+            status = await final_status(bus, job_id)
+            assert status.state == common_pb2.JOB_STATE_FAILED
+            assert reason in status.reason
+    assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+
+
+async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
+    async with trainer(bus) as (_, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as idle:
+            await stub.Stop(trainer_pb2.StopTrainerRequest(), timeout=10)
+        assert idle.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await submit(bus, "stopped", job_spec(model_dir, tmp_path, steps=5))
+        await checkpoint(bus, "stopped", 0)
+        reply = await stub.Stop(trainer_pb2.StopTrainerRequest(reason="enough"), timeout=30)
+        assert reply.last_checkpoint.version == 0
+        status = await final_status(bus, "stopped")
+        assert (status.state, status.reason) == (common_pb2.JOB_STATE_CANCELLED, "enough")
+    assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+
+
+async def test_a_killed_trainers_job_is_resumed_by_another(
+    bus: Bus, redis_url: str, model_dir: Path, tmp_path: Path, python: str, python_env: dict[str, str]
+) -> None:
+    job_id, runs = "crash-0001", tmp_path / "runs"
+    streams = JobStreams(job_id)
+    env = {f"VERST_TRAINER_{name.upper()}": str(value) for name, value in FAST_SETTINGS.items()}
+    victim = subprocess.Popen(
+        [python, "-m", "services.trainer"],
+        env={**python_env, **env, "REDIS_URL": redis_url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        await submit(bus, job_id, job_spec(model_dir, runs))
+        v0 = Path((await checkpoint(bus, job_id, 0)).uri.removeprefix("file://"))
+        await bus.publish_many(
+            streams.trajectories,
+            make_group(job_id, "g0", (1.0, 0.0), 0, v0) + make_group(job_id, "g1", (0.0, 1.0), 0, v0),
+        )
+        v1 = Path((await checkpoint(bus, job_id, 1)).uri.removeprefix("file://"))
+        # Half of step 2 arrives; the victim holds it unacked when it dies.
+        await bus.publish_many(streams.trajectories, make_group(job_id, "g2", (1.0, 0.0), 1, v1))
+        await eventually(lambda: bus.pending_count(streams.trajectories, TRAJECTORY_GROUP), "g2 taken")
+    finally:
+        victim.kill()
+        output, _ = victim.communicate(timeout=30)
+    assert "published checkpoint v1" in output, output
+
+    async with trainer(bus, job_reclaim_idle_ms=1000, trajectory_reclaim_idle_ms=1000):
+        await bus.publish_many(streams.trajectories, make_group(job_id, "g3", (0.0, 1.0), 1, v1))
+        await checkpoint(bus, job_id, 2)
+        assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
+    ids = set(json.loads((runs / job_id / "v000002" / TRAINED_IDS_FILE).read_text()))
+    assert ids == {f"g{g}:{i}" for g in range(4) for i in range(2)}
+    versions = [h.version for h in await entries(bus, streams.checkpoints, common_pb2.CheckpointHandle)]
+    assert versions == [0, 1, 2]
+    assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
+    assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+
+
+async def test_jobs_over_in_the_job_store_are_left_alone(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
+    cancelled = common_pb2.JobState.Name(common_pb2.JOB_STATE_CANCELLED)
+    await bus.redis.hset(job_key("done"), "state", common_pb2.JobState.Name(common_pb2.JOB_STATE_SUCCEEDED))
+    async with trainer(bus) as (_, stub):
+        await submit(bus, "done", job_spec(model_dir, tmp_path))
+        await submit(bus, "live", job_spec(model_dir, tmp_path))
+        await checkpoint(bus, "live", 0)  # "done" was skipped: "live" is trained
+        await bus.redis.hset(job_key("live"), "state", cancelled)  # the api cancels it
+        await eventually(lambda: idle(stub), "the trainer lets the cancelled job go")
+    assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+    for job_id in ("done", "live"):
+        assert await entries(bus, JobStreams(job_id).status, common_pb2.JobStatus) == []
+    assert await bus.latest(JobStreams("done").checkpoints, common_pb2.CheckpointHandle) is None
+
+
+async def test_a_trainer_whose_job_was_taken_over_lets_it_go(
+    bus: Bus, model_dir: Path, tmp_path: Path
+) -> None:
+    async with trainer(bus) as (worker, stub):
+        await submit(bus, "taken", job_spec(model_dir, tmp_path))
+        await checkpoint(bus, "taken", 0)
+        [row] = await bus.redis.xpending_range(JOBS, JOB_GROUP, "-", "+", 10)
+        assert row["consumer"].decode() == worker.name
+        await bus.redis.xclaim(JOBS, JOB_GROUP, "other-trainer", 0, [row["message_id"]], justid=True)
+        await eventually(lambda: idle(stub), "the trainer lets the job go")
+        [row] = await bus.redis.xpending_range(JOBS, JOB_GROUP, "-", "+", 10)
+        assert row["consumer"] == b"other-trainer"  # still pending, for its new owner
+    assert await entries(bus, JobStreams("taken").status, common_pb2.JobStatus) == []
+
+
+async def idle(stub: trainer_pb2_grpc.TrainerStub) -> bool:
+    status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
+    return status.state == trainer_pb2.TRAINER_STATE_IDLE and not status.job_id
+
+
+def test_a_resumed_schedule_carries_on_where_it_was() -> None:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    config = TrainerConfig(steps=10, learning_rate=1.0, warmup_steps=2, scheduler="linear")
+    assert learning_rate_schedule(optimizer, config, 3).get_last_lr() == [pytest.approx(7 / 8)]
