@@ -1,0 +1,118 @@
+"""The job controller: runs inside the api process and drives every unfinished job.
+
+``Controller.run`` polls the job store every ``poll_interval_s``. Each QUEUED
+or RUNNING job that this process does not drive yet gets a ``JobDriver``
+(services/api/job_driver.py), so jobs are picked up again after an api
+restart; the driver of a job that finished elsewhere (a cancel through the
+api) is stopped. A driver that crashed is started again after a pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from services.api.config import ApiSettings
+from services.api.job_driver import JobDriver
+from services.api.telemetry import ApiMetrics
+from services.common.bus import Bus
+from services.common.config import JobSpec
+from services.common.consumer import consumer_name
+from services.common.grpc_client import channel
+from services.common.jobs import JobStore
+from services.common.pb import reward_pb2_grpc, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RESTART_DELAY_S = 5.0
+"""Pause before a crashed driver of a still-active job is started again."""
+STOP_TIMEOUT_S = 10.0
+"""How long a stopping driver may take to wind down before it is cancelled."""
+
+
+class Controller:
+    """Starts, supervises and stops one JobDriver per unfinished job."""
+
+    def __init__(
+        self, bus: Bus, store: JobStore, settings: ApiSettings, metrics: ApiMetrics, *, consumer: str = ""
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.consumer = consumer or consumer_name("controller")
+        """Consumer name on the job streams: unique per process, so a restart reclaims its
+        predecessor's pending entries."""
+        self._drivers: dict[str, tuple[JobDriver, asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._restart_at: dict[str, float] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def router(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(self._channel(self.settings.router_address))
+
+    def reward(self, spec: JobSpec) -> reward_pb2_grpc.RewardStub:
+        return reward_pb2_grpc.RewardStub(self._channel(spec.reward.address or self.settings.reward_address))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+    @property
+    def driven_jobs(self) -> list[str]:
+        """Ids of the jobs this controller drives now."""
+        return sorted(self._drivers)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll the job store until ``stop`` is set; then stop every driver."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self.sync()
+                except Exception:  # a Redis outage must not end the controller: try again next poll
+                    log.exception("controller: polling the job store failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.settings.poll_interval_s)
+        finally:
+            await self.close()
+
+    async def sync(self) -> None:
+        """Start drivers for new active jobs; stop those of jobs that are no longer active."""
+        active = {record.job_id: record for record in await self.store.active_jobs()}
+        for job_id, (driver, task) in list(self._drivers.items()):
+            if job_id not in active:
+                del self._drivers[job_id]
+                if not task.done():
+                    driver.stop()
+                    self._stopping.add(task)
+                    task.add_done_callback(self._stopping.discard)
+            elif task.done():
+                del self._drivers[job_id]
+                self._restart_at[job_id] = time.monotonic() + RESTART_DELAY_S
+                error = None if task.cancelled() else task.exception()
+                log.error("driver of %s stopped: %r; restarting it in %.0fs", job_id, error, RESTART_DELAY_S)
+        now = time.monotonic()
+        for job_id, record in active.items():
+            if job_id not in self._drivers and now >= self._restart_at.get(job_id, 0.0):
+                driver = JobDriver(self, record)
+                self._drivers[job_id] = (driver, asyncio.create_task(driver.run(), name=f"driver {job_id}"))
+
+    async def close(self) -> None:
+        """Stop every driver (without changing job states) and close the channels."""
+        for driver, task in self._drivers.values():
+            driver.stop()
+            self._stopping.add(task)
+        self._drivers.clear()
+        if self._stopping:
+            _, late = await asyncio.wait(self._stopping, timeout=STOP_TIMEOUT_S)
+            for task in late:
+                log.warning("%s did not stop within %.0fs; cancelled", task.get_name(), STOP_TIMEOUT_S)
+                task.cancel()
+        for chan in self._channels.values():
+            await chan.close()
+        self._channels.clear()

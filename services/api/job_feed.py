@@ -1,0 +1,88 @@
+"""Training prompts of a job as PromptTasks, in a deterministic order.
+
+The feed reads the job's train source (seeded by the job's seed) from the
+start, skipping the prompts already issued, so a restarted controller that has
+issued ``consumed`` prompts continues with exactly the ones that follow. Regular
+batches have ids ``{job_id}:{batch}:{index}``; replacements for groups the
+trainer dropped have ids ``{job_id}:extra:{n}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from services.common.config import JobSpec
+from services.common.pb import common_pb2
+from services.common.tasks import PromptExample, PromptTooLongError, encode_prompt, train_prompts
+
+log = logging.getLogger(__name__)
+
+
+class PromptFeed:
+    """Builds a job's PromptTasks. Reading the data source happens (and fails, with
+    services.common.tasks.DataError) when the feed is made."""
+
+    def __init__(self, spec: JobSpec, job_id: str, tokenizer: Any, *, consumed: int = 0) -> None:
+        self.spec = spec
+        self.job_id = job_id
+        self.tokenizer = tokenizer
+        self.sampling = sampling_params(spec)
+        encoded = self._encoded(train_prompts(spec.data, spec.seed))
+        self._prompts = itertools.islice(encoded, consumed, None)
+
+    def batch(self, index: int) -> list[common_pb2.PromptTask]:
+        """The next ``rollout.prompts_per_step`` prompts as batch ``index``."""
+        prompts = itertools.islice(self._prompts, self.spec.rollout.prompts_per_step)
+        return [
+            self._task(f"{self.job_id}:{index}:{i}", example, ids) for i, (example, ids) in enumerate(prompts)
+        ]
+
+    def extra(self, first: int, count: int) -> list[common_pb2.PromptTask]:
+        """The next ``count`` prompts as replacements number ``first`` on."""
+        prompts = itertools.islice(self._prompts, count)
+        return [
+            self._task(f"{self.job_id}:extra:{first + i}", ex, ids) for i, (ex, ids) in enumerate(prompts)
+        ]
+
+    def _encoded(self, examples: Iterator[PromptExample]) -> Iterator[tuple[PromptExample, list[int]]]:
+        limit = self.spec.data.max_prompt_tokens
+        for example in examples:
+            try:
+                yield example, encode_prompt(self.tokenizer, example.text, max_tokens=limit)
+            except PromptTooLongError as err:
+                log.warning("%s: skipped training prompt %s: %s", self.job_id, example.prompt_id, err)
+
+    def _task(self, prompt_id: str, example: PromptExample, ids: list[int]) -> common_pb2.PromptTask:
+        task = common_pb2.PromptTask(
+            prompt_id=prompt_id,
+            job_id=self.job_id,
+            group_id=prompt_id,
+            prompt_token_ids=ids,
+            prompt_text=example.text,
+            n_samples=self.spec.algorithm.group_size,
+            sampling=self.sampling,
+            answer=example.answer,
+            verifier=self.spec.reward.verifier,
+            split=common_pb2.SPLIT_TRAIN,
+            max_turns=self.spec.rollout.max_turns,
+            tools=self.spec.rollout.tools,
+            metadata={"source_prompt_id": example.prompt_id},
+        )
+        task.created_at.GetCurrentTime()
+        return task
+
+
+def sampling_params(spec: JobSpec) -> common_pb2.SamplingParams:
+    """Training rollout sampling of a job (the engine stops at the tokenizer's EOS itself)."""
+    rollout = spec.rollout
+    return common_pb2.SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        stop=rollout.stop,
+        n=spec.algorithm.group_size,
+    )

@@ -1,0 +1,69 @@
+"""Prometheus metrics of the api: jobs by state, and the latest metrics of running jobs.
+
+Job gauges are refreshed from the job store on every scrape, so they are right
+whichever api process drove the job. The counters count this process's work.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from services.common.jobs import RUNNING, JobStore
+
+EVAL_ACCURACY = "eval/accuracy"
+"""The metrics_json key of the latest eval accuracy."""
+
+
+class ApiMetrics:
+    """The api's metrics, in a registry of its own (one per app, so tests can make many)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.jobs = Gauge("verst_jobs", "Jobs by state.", ["state"], registry=self.registry)
+        self.policy_version = Gauge(
+            "verst_job_policy_version",
+            "Newest policy version of a running job.",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.eval_accuracy = Gauge(
+            "verst_job_eval_accuracy",
+            "Latest held-out accuracy of a running job.",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.job_metric = Gauge(
+            "verst_job_metric",
+            "Latest value of every metric of a running job (name is source/metric).",
+            ["job_id", "name"],
+            registry=self.registry,
+        )
+        self.prompts_issued = Counter(
+            "verst_controller_prompts_issued",
+            "PromptTasks published by this controller.",
+            registry=self.registry,
+        )
+        self.evaluations = Counter(
+            "verst_controller_evaluations",
+            "Evaluations run by this controller, by outcome (ok, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+
+    async def refresh(self, store: JobStore) -> None:
+        """Reset the job gauges from the store."""
+        for state, count in (await store.count_by_state()).items():
+            self.jobs.labels(state=state).set(count)
+        for gauge in (self.policy_version, self.eval_accuracy, self.job_metric):
+            gauge.clear()
+        for record in await store.active_jobs():
+            if record.state != RUNNING:
+                continue
+            self.policy_version.labels(job_id=record.job_id).set(record.policy_version)
+            if EVAL_ACCURACY in record.metrics:
+                self.eval_accuracy.labels(job_id=record.job_id).set(record.metrics[EVAL_ACCURACY])
+            for name, value in record.metrics.items():
+                self.job_metric.labels(job_id=record.job_id, name=name).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

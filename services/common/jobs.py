@@ -1,0 +1,331 @@
+"""The job store: one Redis hash per job, an index by submit time, and a metrics history.
+
+Keys (besides the streams of services/common/streams.py):
+
+- ``verst:job:{id}`` (hash): spec_json, state (a JobState name such as
+  ``"JOB_STATE_RUNNING"``), policy_version, step, reason, submitted_at and
+  updated_at (unix seconds), metrics_json (the latest value of every metric,
+  keyed ``"{source}/{name}"``, e.g. ``"eval/accuracy"``), issued_batches and
+  issued_extra (how many prompt batches, and replacement prompts for dropped
+  groups, the controller has published, so that a restarted controller carries
+  on where its predecessor stopped).
+- ``verst:jobs:index`` (sorted set): job ids by submit time.
+- ``verst:jobs:active`` (set): ids of the jobs that are not finished yet.
+- ``verst:job:{id}:history`` (list): one JSON row per received Metric,
+  ``{"step", "policy_version", "source", "values", "time"}``, oldest first,
+  capped at ``HISTORY_LIMIT`` rows.
+
+Only the api (and its controller) writes here; everyone may read. Terminal
+states are final: the state changes are checked and applied atomically in Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import redis.asyncio as aioredis
+
+from services.common.bus import DEFAULT_MAXLEN, encode
+from services.common.config import JobSpec
+from services.common.pb import common_pb2
+from services.common.streams import JOB_INDEX, JOBS, PREFIX, job_key
+
+QUEUED = common_pb2.JobState.Name(common_pb2.JOB_STATE_QUEUED)
+RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING)
+SUCCEEDED = common_pb2.JobState.Name(common_pb2.JOB_STATE_SUCCEEDED)
+FAILED = common_pb2.JobState.Name(common_pb2.JOB_STATE_FAILED)
+CANCELLED = common_pb2.JobState.Name(common_pb2.JOB_STATE_CANCELLED)
+TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED})
+"""States a job never leaves."""
+JOB_STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+"""Every state a job record can be in, in lifecycle order."""
+
+ACTIVE_JOBS = f"{PREFIX}:jobs:active"
+"""Set of the ids of jobs not yet in a terminal state."""
+HISTORY_LIMIT = 100_000
+"""Rows kept in a job's metrics history (the oldest are dropped first)."""
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def job_history_key(job_id: str) -> str:
+    """List of a job's metric rows (JSON), oldest first."""
+    return f"{job_key(job_id)}:history"
+
+
+class JobNotFoundError(KeyError):
+    """No job has this id."""
+
+
+# Applies a state change unless the job is missing (-1), finished (0), or the change would
+# send it back to QUEUED (0). Atomic, so a cancel and a success cannot both win.
+_SET_STATE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state == 'JOB_STATE_SUCCEEDED' or state == 'JOB_STATE_FAILED' or state == 'JOB_STATE_CANCELLED' then
+  return 0
+end
+if ARGV[1] == 'JOB_STATE_QUEUED' and state ~= 'JOB_STATE_QUEUED' then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
+if ARGV[4] == '1' then redis.call('SREM', KEYS[2], ARGV[5]) end
+return 1
+"""
+
+# Raises policy_version and step (never lowers them: handles may be re-delivered).
+_PROGRESS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local version = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
+if tonumber(ARGV[1]) < version then return 0 end
+redis.call('HSET', KEYS[1], 'policy_version', ARGV[1], 'step', ARGV[2], 'updated_at', ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """One job as stored."""
+
+    job_id: str
+    spec: JobSpec
+    state: str
+    """A JobState name, e.g. "JOB_STATE_RUNNING"."""
+    policy_version: int
+    step: int
+    reason: str
+    submitted_at: float
+    """Unix seconds."""
+    updated_at: float
+    metrics: dict[str, float]
+    """Latest value of every metric, keyed "{source}/{name}"."""
+    issued_batches: int
+    """Prompt batches the controller has published."""
+    issued_extra: int
+    """Replacement prompts the controller has published for groups the trainer dropped."""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @classmethod
+    def from_hash(cls, job_id: str, fields: Mapping[bytes, bytes]) -> JobRecord:
+        text = {key.decode(): value.decode() for key, value in fields.items()}
+        return cls(
+            job_id=job_id,
+            spec=JobSpec.model_validate_json(text["spec_json"]),
+            state=text["state"],
+            policy_version=int(text.get("policy_version", 0)),
+            step=int(text.get("step", 0)),
+            reason=text.get("reason", ""),
+            submitted_at=float(text["submitted_at"]),
+            updated_at=float(text["updated_at"]),
+            metrics=json.loads(text.get("metrics_json", "{}")),
+            issued_batches=int(text.get("issued_batches", 0)),
+            issued_extra=int(text.get("issued_extra", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    """One Metric as kept in a job's history."""
+
+    step: int
+    policy_version: int
+    source: str
+    values: dict[str, float]
+    time: float
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "step": self.step,
+                "policy_version": self.policy_version,
+                "source": self.source,
+                "values": self.values,
+                "time": self.time,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> MetricRow:
+        row = json.loads(raw)
+        return cls(row["step"], row["policy_version"], row["source"], row["values"], row["time"])
+
+
+class JobStore:
+    """Create, read and advance job records. ``redis`` is a client from ``bus.connect``."""
+
+    def __init__(self, redis: aioredis.Redis, *, history_limit: int = HISTORY_LIMIT) -> None:
+        self.redis = redis
+        self.history_limit = history_limit
+        self._set_state = redis.register_script(_SET_STATE)
+        self._progress = redis.register_script(_PROGRESS)
+
+    async def create(self, spec: JobSpec) -> JobRecord:
+        """Store a QUEUED job and publish its JobSubmission on ``verst:jobs``, atomically."""
+        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        now = time.time()
+        spec_json = spec.model_dump_json()
+        submission = common_pb2.JobSubmission(job_id=job_id, spec_json=spec_json)
+        submission.submitted_at.FromNanoseconds(int(now * 1e9))
+        fields = {
+            "spec_json": spec_json,
+            "state": QUEUED,
+            "policy_version": 0,
+            "step": 0,
+            "reason": "",
+            "submitted_at": repr(now),
+            "updated_at": repr(now),
+            "metrics_json": "{}",
+            "issued_batches": 0,
+            "issued_extra": 0,
+        }
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), mapping=fields)
+        pipe.zadd(JOB_INDEX, {job_id: now})
+        pipe.sadd(ACTIVE_JOBS, job_id)
+        pipe.xadd(JOBS, encode(submission), maxlen=DEFAULT_MAXLEN)
+        await pipe.execute()
+        return await self.get(job_id)
+
+    async def get(self, job_id: str) -> JobRecord:
+        """The job's record; raises JobNotFoundError."""
+        fields = await self.redis.hgetall(job_key(job_id))
+        if not fields:
+            raise JobNotFoundError(job_id)
+        return JobRecord.from_hash(job_id, fields)
+
+    async def list(self, limit: int = 100) -> list[JobRecord]:
+        """The newest ``limit`` jobs, newest first."""
+        ids = [raw.decode() for raw in await self.redis.zrevrange(JOB_INDEX, 0, max(limit, 1) - 1)]
+        return await self._records(ids)
+
+    async def active_jobs(self) -> list[JobRecord]:
+        """Jobs that are QUEUED or RUNNING, oldest first."""
+        ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
+        records = await self._records(ids)
+        return sorted((r for r in records if not r.terminal), key=lambda r: r.submitted_at)
+
+    async def running_jobs(self) -> list[JobRecord]:
+        """Jobs in state RUNNING, oldest first."""
+        return [record for record in await self.active_jobs() if record.state == RUNNING]
+
+    async def count_by_state(self) -> dict[str, int]:
+        """How many jobs are in each state (every state is present, maybe with 0)."""
+        ids = await self.redis.zrange(JOB_INDEX, 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for raw in ids:
+            pipe.hget(job_key(raw.decode()), "state")
+        counts = dict.fromkeys(JOB_STATES, 0)
+        for state in await pipe.execute():
+            if state is not None:
+                counts[state.decode()] = counts.get(state.decode(), 0) + 1
+        return counts
+
+    async def set_state(self, job_id: str, state: str, reason: str = "") -> bool:
+        """Move a job to ``state``; False (nothing changes) when the job already finished.
+
+        Raises JobNotFoundError for an unknown job and ValueError for an unknown state.
+        """
+        if state not in JOB_STATES:
+            raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
+        terminal = "1" if state in TERMINAL_STATES else "0"
+        keys = [job_key(job_id), ACTIVE_JOBS]
+        applied = await self._set_state(keys=keys, args=[state, reason, repr(time.time()), terminal, job_id])
+        if applied == -1:
+            raise JobNotFoundError(job_id)
+        return applied == 1
+
+    async def update_progress(self, job_id: str, policy_version: int, step: int) -> bool:
+        """Record a new policy version and trainer step; False when older than the stored one."""
+        args = [policy_version, step, repr(time.time())]
+        applied = await self._progress(keys=[job_key(job_id)], args=args)
+        if applied == -1:
+            raise JobNotFoundError(job_id)
+        return applied == 1
+
+    def queue_issued(self, pipe: Any, job_id: str, *, batches: int, extra: int) -> None:
+        """Add "the controller has published ``batches`` prompt batches and ``extra`` replacement
+        prompts" to a MULTI ``pipe``, so that the counts and the prompts are written together."""
+        fields = {"issued_batches": batches, "issued_extra": extra, "updated_at": repr(time.time())}
+        pipe.hset(job_key(job_id), mapping=fields)
+
+    async def merge_metrics(
+        self,
+        job_id: str,
+        values: Mapping[str, float],
+        *,
+        step: int,
+        source: str,
+        policy_version: int = 0,
+    ) -> None:
+        """Keep the latest value of each metric (as "{source}/{name}") and append a history row."""
+        key = job_key(job_id)
+        row = MetricRow(step, policy_version, source, {k: float(v) for k, v in values.items()}, time.time())
+
+        async def merge(pipe: Any) -> None:
+            current = await pipe.hget(key, "metrics_json")
+            if current is None:
+                raise JobNotFoundError(job_id)
+            latest = json.loads(current)
+            latest.update({f"{source}/{name}": value for name, value in row.values.items()})
+            pipe.multi()
+            pipe.hset(key, mapping={"metrics_json": json.dumps(latest), "updated_at": repr(row.time)})
+            pipe.rpush(job_history_key(job_id), row.to_json())
+            pipe.ltrim(job_history_key(job_id), -self.history_limit, -1)
+
+        await self.redis.transaction(merge, key)
+
+    async def history(
+        self, job_id: str, *, source: str | None = None, limit: int = 10_000
+    ) -> list[MetricRow]:
+        """The newest ``limit`` metric rows (optionally of one source), oldest first."""
+        if not await self.redis.exists(job_key(job_id)):
+            raise JobNotFoundError(job_id)
+        if limit <= 0:
+            return []
+        first = 0 if source is not None else -limit  # one source's rows may lie anywhere
+        rows = [
+            MetricRow.from_json(raw) for raw in await self.redis.lrange(job_history_key(job_id), first, -1)
+        ]
+        if source is not None:
+            rows = [row for row in rows if row.source == source]
+        return rows[-limit:]
+
+    async def _records(self, ids: list[str]) -> list[JobRecord]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hgetall(job_key(job_id))
+        return [
+            JobRecord.from_hash(job_id, fields)
+            for job_id, fields in zip(ids, await pipe.execute(), strict=True)
+            if fields
+        ]
+
+
+def checkpoint_dir(handle: common_pb2.CheckpointHandle) -> Path:
+    """The local directory of a ``file://`` checkpoint handle (raises ValueError otherwise)."""
+    uri = urlparse(handle.uri)
+    if uri.scheme != "file":
+        raise ValueError(f"checkpoint v{handle.version} of {handle.job_id}: unsupported uri {handle.uri!r}")
+    return Path(unquote(uri.path))
+
+
+def load_job_tokenizer(spec: JobSpec, handle: common_pb2.CheckpointHandle) -> Any:
+    """The job's tokenizer: ``model.tokenizer`` when set, else the checkpoint directory's.
+
+    Blocking (run it in a thread); raises OSError or ValueError when it cannot be loaded.
+    """
+    path = spec.model.tokenizer or str(checkpoint_dir(handle))
+    # One at a time: transformers' lazy imports are not safe when threads race through them.
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer  # a slow import, needed only once a job runs
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)

@@ -1,0 +1,241 @@
+"""The rollout runner: turns the PromptTasks of every running job into scored Trajectories.
+
+``python -m services.rollout runner``. Every ``jobs_refresh_s`` it reads the
+running jobs from the job store and keeps one consumer loop per job on
+``verst:job:{id}:prompts`` (group "runners"). Up to ``max_concurrent_groups``
+tasks are in flight at once, over all jobs. For each task it asks the router
+for the group's n samples, scores them in one ScoreBatch, publishes the
+group's Trajectories in one ``publish_many``, and only then acks the task. A
+task whose service call failed stays pending and is retried after it is
+reclaimed; a task the engine refused (INVALID_ARGUMENT) is dead-lettered.
+The process serves gRPC health beside the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.bus import Bus, Delivery
+from services.common.consumer import StreamConsumer, consumer_name
+from services.common.grpc_client import channel
+from services.common.grpc_server import serve
+from services.common.jobs import JobRecord, JobStore, load_job_tokenizer
+from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
+from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.streams import JobStreams
+from services.rollout.config import RunnerSettings
+from services.rollout.runner_group import (
+    GroupClients,
+    InvalidTaskError,
+    RetryLaterError,
+    check_task,
+    roll_out_group,
+)
+
+log = logging.getLogger(__name__)
+
+GROUP = "runners"
+"""The runners' consumer group on every job's prompts stream."""
+POLL_BLOCK_MS = 500
+"""How long one read of a prompts stream waits for a task."""
+KEEPALIVE_FRACTION = 3
+"""Tasks in flight have their idle time reset this many times per reclaim_idle_ms."""
+
+
+@dataclass
+class JobLoop:
+    """The consumer loop of one job and what it needs."""
+
+    record: JobRecord
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    tokenizer: Any = None
+    tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One load of the tokenizer, however many tasks need it at once."""
+
+
+class Runner:
+    """Consumes the prompts of every running job."""
+
+    def __init__(self, bus: Bus, store: JobStore, settings: RunnerSettings) -> None:
+        self.bus = bus
+        self.store = store
+        self.settings = settings
+        self.consumer = consumer_name("runner")
+        self._slots = asyncio.Semaphore(settings.max_concurrent_groups)
+        self._jobs: dict[str, JobLoop] = {}
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._held: dict[str, set[str]] = {}
+        """Entry ids of the tasks in flight, by prompts stream: kept alive against reclaim."""
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the running jobs until ``stop``; then finish the tasks in flight."""
+        keepalive = asyncio.create_task(self._keep_alive(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    await self.refresh_jobs()
+                except Exception:  # a Redis outage must not end the runner: try again later
+                    log.exception("runner: reading the running jobs failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.settings.jobs_refresh_s)
+        finally:
+            await self._stop_loops(list(self._jobs))
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+            await asyncio.wait([keepalive], timeout=self.settings.reclaim_idle_ms / 1000)
+            for chan in self._channels.values():
+                await chan.close()
+
+    async def refresh_jobs(self) -> None:
+        """Start a loop for each newly running job; stop the loops of jobs that stopped running."""
+        running = {record.job_id: record for record in await self.store.running_jobs()}
+        await self._stop_loops([job_id for job_id in self._jobs if job_id not in running])
+        for job_id, record in running.items():
+            loop = self._jobs.get(job_id)
+            if loop is not None and loop.task is not None and loop.task.done():
+                log.error("loop of %s ended: %r; restarting it", job_id, loop.task.exception())
+                loop = None
+            if loop is None:
+                loop = JobLoop(record)
+                loop.task = asyncio.create_task(self._consume(loop), name=f"runner {job_id}")
+                self._jobs[job_id] = loop
+                log.info("consuming the prompts of %s", job_id)
+
+    async def _stop_loops(self, job_ids: list[str]) -> None:
+        loops = [self._jobs.pop(job_id) for job_id in job_ids]
+        for loop in loops:
+            loop.stop.set()
+        await asyncio.gather(*(loop.task for loop in loops if loop.task), return_exceptions=True)
+
+    def _prompt_consumer(self, job_id: str) -> StreamConsumer[common_pb2.PromptTask]:
+        idle_ms = self.settings.reclaim_idle_ms
+        return StreamConsumer(
+            self.bus,
+            JobStreams(job_id).prompts,
+            GROUP,
+            self.consumer,
+            common_pb2.PromptTask,
+            count=1,  # one delivery per free slot
+            block_ms=POLL_BLOCK_MS,
+            reclaim_idle_ms=idle_ms,
+            reclaim_every_s=min(5.0, max(0.2, idle_ms / 2000)),
+        )
+
+    async def _consume(self, loop: JobLoop) -> None:
+        consumer = self._prompt_consumer(loop.record.job_id)
+        while not loop.stop.is_set():
+            await self._slots.acquire()
+            try:
+                deliveries = await consumer.poll()
+            except Exception:
+                self._slots.release()
+                log.exception("%s: reading prompts failed; retrying", loop.record.job_id)
+                await asyncio.sleep(1.0)
+                continue
+            if not deliveries:
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._process(loop, consumer, deliveries[0]))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _process(
+        self,
+        loop: JobLoop,
+        consumer: StreamConsumer[common_pb2.PromptTask],
+        delivery: Delivery[common_pb2.PromptTask],
+    ) -> None:
+        """Roll out one task; publish its trajectories, then ack. Holds one slot."""
+        task = delivery.message
+        job_id = loop.record.job_id
+        held = self._held.setdefault(delivery.stream, set())
+        held.add(delivery.entry_id)
+        try:
+            check_task(task, job_id)
+            trajectories = await roll_out_group(task, await self._clients(loop))
+            await self.bus.publish_many(JobStreams(job_id).trajectories, trajectories)
+            await consumer.ack([delivery])
+            log.debug("%s: %d trajectories", task.prompt_id, len(trajectories))
+        except InvalidTaskError as err:
+            await consumer.dead_letter(delivery, f"invalid task: {err}")
+        except RetryLaterError as err:
+            log.warning("%s left for a retry (delivery %d): %s", task.prompt_id, delivery.delivery_count, err)
+        except Exception:
+            log.exception(
+                "%s failed (delivery %d); left for a retry", task.prompt_id, delivery.delivery_count
+            )
+        finally:
+            held.discard(delivery.entry_id)
+            self._slots.release()
+
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Reset the idle time of the tasks in flight (XCLAIM JUSTID, which counts no delivery),
+        so that only the tasks of a runner that died, or that failed, are reclaimed."""
+        period_s = self.settings.reclaim_idle_ms / 1000 / KEEPALIVE_FRACTION
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), period_s)
+            for stream, entry_ids in list(self._held.items()):
+                if not entry_ids:
+                    continue
+                try:
+                    await self.bus.redis.xclaim(stream, GROUP, self.consumer, 0, list(entry_ids), justid=True)
+                except Exception:  # a Redis outage: the next round tries again
+                    log.exception("could not renew %d tasks of %s", len(entry_ids), stream)
+
+    async def _clients(self, loop: JobLoop) -> GroupClients:
+        spec = loop.record.spec
+        async with loop.tokenizer_lock:
+            if loop.tokenizer is None:
+                loop.tokenizer = await self._load_tokenizer(loop)
+        return GroupClients(
+            router=router_pb2_grpc.RouterStub(self._channel(self.settings.router_address)),
+            reward=reward_pb2_grpc.RewardStub(
+                self._channel(spec.reward.address or self.settings.reward_address)
+            ),
+            tokenizer=loop.tokenizer,
+            request_timeout_s=spec.rollout.request_timeout_s,
+            reward_timeout_s=spec.reward.timeout_s,
+            retry_s=self.settings.retry_s,
+        )
+
+    async def _load_tokenizer(self, loop: JobLoop) -> Any:
+        """The job's tokenizer, from its newest checkpoint unless the spec names one."""
+        spec = loop.record.spec
+        handle = await self.bus.latest(
+            JobStreams(loop.record.job_id).checkpoints, common_pb2.CheckpointHandle
+        )
+        if handle is None and spec.model.tokenizer is None:
+            raise RetryLaterError("the job has no checkpoint yet to take its tokenizer from")
+        try:
+            return await asyncio.to_thread(load_job_tokenizer, spec, handle or common_pb2.CheckpointHandle())
+        except (OSError, ValueError) as err:
+            raise RetryLaterError(f"cannot load the job's tokenizer: {err}") from None
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+
+async def _consume_until(settings: RunnerSettings, redis_url: str, stop: asyncio.Event) -> None:
+    bus = Bus.from_url(redis_url, max_deliveries=settings.max_deliveries)
+    try:
+        await Runner(bus, JobStore(bus.redis), settings).run(stop)
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    """``python -m services.rollout runner``: settings from the environment, health, the loop."""
+    settings = load_settings(RunnerSettings)
+    setup_logging(settings.service_name, settings.log_level)
+    redis_url = require_redis_url(settings)
+    asyncio.run(serve(settings, background=lambda stop: _consume_until(settings, redis_url, stop)))

@@ -1,0 +1,358 @@
+"""The job controller against real Redis and real gRPC servers standing in for the router and reward.
+
+The test plays the trainer: it publishes checkpoint handles, metrics and status
+reports on the job's streams, and watches what the controller does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.api.config import ApiSettings
+from services.api.controller import Controller
+from services.api.telemetry import ApiMetrics
+from services.common.bus import DATA_FIELD, Bus
+from services.common.config import JobSpec
+from services.common.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobStore
+from services.common.pb import common_pb2
+from services.common.streams import JobStreams
+from services.common.tasks import encode_prompt, eval_prompts
+from tests.integration.test_runner import (
+    FakeReward,
+    FakeRouter,
+    checkpoint,
+    reward,  # noqa: F401  (fixture)
+    router,  # noqa: F401  (fixture)
+    tokenizer,  # noqa: F401  (fixture)
+    tokenizer_dir,  # noqa: F401  (fixture)
+    wait_for,
+)
+
+Services = tuple[FakeRouter, str, FakeReward, str]
+
+
+def knows(a: int, b: int, version: int) -> bool:
+    """What the fake engine answers right when greedy: more problems at later versions."""
+    return (a + b) % 4 < version
+
+
+def expected_accuracy(spec: JobSpec, version: int) -> float:
+    examples = eval_prompts(spec.data, spec.eval.num_prompts)
+    right = [knows(*(int(x) for x in ex.text.rstrip("=").split("+")), version) for ex in examples]
+    return sum(right) / len(right)
+
+
+@pytest.fixture
+def services(router: tuple[FakeRouter, str], reward: tuple[FakeReward, str]) -> Services:  # noqa: F811
+    router[0].correct_at_version = knows
+    return router[0], router[1], reward[0], reward[1]
+
+
+class Controllers:
+    """Starts controllers (as the api's lifespan does) and stops them."""
+
+    def __init__(self, bus: Bus, services: Services) -> None:
+        self.bus = bus
+        self.services = services
+        self.running: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = {}
+
+    async def start(self, consumer: str = "", **overrides: Any) -> Controller:
+        settings = ApiSettings.model_validate(
+            {
+                "router_address": self.services[1],
+                "reward_address": self.services[3],
+                "poll_interval_s": 0.05,
+                "eval_engine_timeout_s": 5.0,
+                "reclaim_idle_ms": 200,
+                **overrides,
+            }
+        )
+        controller = Controller(self.bus, JobStore(self.bus.redis), settings, ApiMetrics(), consumer=consumer)
+        stop = asyncio.Event()
+        self.running[id(controller)] = (stop, asyncio.create_task(controller.run(stop)))
+        return controller
+
+    async def stop(self, controller: Controller) -> None:
+        stop, task = self.running.pop(id(controller))
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def controllers(bus: Bus, services: Services) -> AsyncIterator[Controllers]:
+    controllers = Controllers(bus, services)
+    yield controllers
+    for controller_id in list(controllers.running):
+        stop, task = controllers.running.pop(controller_id)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+class Trainer:
+    """The test's stand-in for the trainer of one job."""
+
+    def __init__(self, bus: Bus, store: JobStore, job_id: str, directory: Path) -> None:
+        self.bus, self.store, self.job_id, self.directory = bus, store, job_id, directory
+        self.streams = JobStreams(job_id)
+
+    async def publish_version(self, version: int) -> None:
+        await self.bus.publish(self.streams.checkpoints, checkpoint(self.job_id, version, self.directory))
+
+    async def report(self, state: int, version: int, reason: str = "") -> None:
+        status = common_pb2.JobStatus(job_id=self.job_id, state=state, policy_version=version, reason=reason)
+        await self.bus.publish(self.streams.status, status)
+
+    async def report_drops(self, step: int, *, stale: int = 0, invalid: int = 0) -> None:
+        values = {"loss": 0.5, "stale_dropped": float(stale), "invalid_dropped": float(invalid)}
+        metric = common_pb2.Metric(job_id=self.job_id, step=step, source="trainer", values=values)
+        await self.bus.publish(self.streams.metrics, metric)
+
+    async def prompts(self) -> list[common_pb2.PromptTask]:
+        entries = await self.bus.redis.xrange(self.streams.prompts)
+        return [common_pb2.PromptTask.FromString(fields[DATA_FIELD]) for _, fields in entries]
+
+    async def state(self) -> str:
+        return (await self.store.get(self.job_id)).state
+
+    async def wait_for_state(self, state: str, timeout_s: float = 10.0) -> None:
+        async def reached() -> bool:
+            return await self.state() == state
+
+        await wait_for(reached, timeout_s, f"state {state}")
+
+    async def wait_for_prompts(self, count: int) -> list[common_pb2.PromptTask]:
+        async def issued() -> bool:
+            return len(await self.prompts()) >= count
+
+        await wait_for(issued, 10.0, f"{count} prompts")
+        await asyncio.sleep(0.3)  # time for the controller to overshoot, if it would
+        return await self.prompts()
+
+
+async def submit(bus: Bus, directory: Path, engine: FakeRouter, **spec: Any) -> tuple[JobSpec, Trainer]:
+    """A job whose engine (the fake router's) serves it."""
+    job_spec = JobSpec.model_validate(
+        {
+            "name": "addition",
+            "algorithm": {"group_size": 2, "max_staleness": 1},
+            "rollout": {"prompts_per_step": 2, "max_new_tokens": 6, "temperature": 0.9},
+            "trainer": {"steps": 4},
+            "eval": {"every_steps": 2, "num_prompts": 12},
+            **spec,
+        }
+    )
+    store = JobStore(bus.redis)
+    record = await store.create(job_spec)
+    engine.job_id = record.job_id
+    return job_spec, Trainer(bus, store, record.job_id, directory)
+
+
+async def eval_points(store: JobStore, job_id: str) -> dict[int, float]:
+    return {row.step: row.values["accuracy"] for row in await store.history(job_id, source="eval")}
+
+
+async def test_paced_prompts_evals_and_success(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    tokenizer: Any,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    fake_router = services[0]
+    spec, trainer = await submit(bus, tokenizer_dir, services[0])
+    await controllers.start()
+    await asyncio.sleep(0.3)
+    assert await trainer.state() == QUEUED and await trainer.prompts() == []
+
+    await trainer.publish_version(0)
+    await trainer.wait_for_state(RUNNING)
+    # Version 0 is evaluated first; then batches 0 and 1 (k <= 0 + max_staleness), and no more.
+    prompts = await trainer.wait_for_prompts(4)
+    assert len(prompts) == 4
+    assert (await eval_points(trainer.store, trainer.job_id)).keys() == {0}
+    assert len(fake_router.requests) == 12 and all(r.sampling.temperature == 0 for r in fake_router.requests)
+    first = prompts[0]
+    assert (first.prompt_id, first.group_id) == (f"{trainer.job_id}:0:0", f"{trainer.job_id}:0:0")
+    assert list(first.prompt_token_ids) == encode_prompt(tokenizer, first.prompt_text)
+    assert first.answer == str(sum(int(x) for x in first.prompt_text.rstrip("=").split("+")))[::-1]
+    assert (first.n_samples, first.sampling.n, first.sampling.max_new_tokens) == (2, 2, 6)
+    assert first.sampling.temperature == pytest.approx(0.9) and first.split == common_pb2.SPLIT_TRAIN
+    assert [p.prompt_id.split(":", 1)[1] for p in prompts] == ["0:0", "0:1", "1:0", "1:1"]
+
+    # Batch 2 waits for version 1 from the trainer *and* from the engines.
+    await trainer.publish_version(1)
+    assert len(await trainer.wait_for_prompts(4)) == 4, "the engines still serve version 0"
+    fake_router.version = 1
+    assert len(await trainer.wait_for_prompts(6)) == 6
+    for version, issued in ((2, 8), (3, 8)):
+        fake_router.version = version
+        await trainer.publish_version(version)
+        prompts = await trainer.wait_for_prompts(issued)
+        assert len(prompts) == issued, f"at version {version}: never more than max_staleness ahead"
+        assert prompts[-1].policy_version == min(version, 2)
+    await trainer.bus.publish(
+        trainer.streams.metrics,
+        common_pb2.Metric(job_id=trainer.job_id, step=3, source="trainer", values={"loss": 0.125}),
+    )
+    await trainer.publish_version(4)
+    await trainer.report(common_pb2.JOB_STATE_SUCCEEDED, 4)
+    await asyncio.sleep(0.5)
+    assert await trainer.state() == RUNNING, "the final eval waits for an engine serving version 4"
+    fake_router.version = 4
+    await trainer.wait_for_state(SUCCEEDED)
+
+    record = await trainer.store.get(trainer.job_id)
+    points = await eval_points(trainer.store, trainer.job_id)
+    assert points == {v: pytest.approx(expected_accuracy(spec, v)) for v in (0, 2, 4)}
+    assert 0.0 == points[0] < points[2] < points[4] == 1.0
+    assert record.metrics["eval/accuracy"] == 1.0 and record.metrics["trainer/loss"] == 0.125
+    assert (record.policy_version, record.reason) == (4, "")
+
+
+async def test_a_trainer_failure_fails_the_job_and_stops_the_prompts(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    controller = await controllers.start()
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    await trainer.report(common_pb2.JOB_STATE_FAILED, 0, "CUDA out of memory")
+    await trainer.wait_for_state(FAILED)
+    assert "CUDA out of memory" in (await trainer.store.get(trainer.job_id)).reason
+    await trainer.publish_version(1)
+    await asyncio.sleep(0.3)
+    assert len(await trainer.prompts()) == 4, "no prompts for a failed job"
+    assert controller.driven_jobs == []
+
+
+async def test_a_trainer_failure_before_v0_fails_the_queued_job(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0])
+    await controllers.start()
+    await trainer.report(common_pb2.JOB_STATE_FAILED, 0, "model path 'nope' does not exist")
+    await trainer.wait_for_state(FAILED)
+    assert "does not exist" in (await trainer.store.get(trainer.job_id)).reason
+
+
+async def test_a_stalled_trainer_fails_the_job(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start(stall_timeout_s=1.0)
+    await trainer.publish_version(0)
+    await trainer.wait_for_state(RUNNING)
+    await trainer.wait_for_state(FAILED, timeout_s=5.0)
+    reason = (await trainer.store.get(trainer.job_id)).reason
+    assert "no new policy version" in reason and "after version 0" in reason
+
+
+async def test_a_job_without_a_trainer_times_out_in_the_queue(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0])
+    await controllers.start(queue_timeout_s=1.0)
+    await trainer.wait_for_state(FAILED, timeout_s=5.0)
+    assert "no checkpoint v0" in (await trainer.store.get(trainer.job_id)).reason
+
+
+async def test_cancel_stops_the_prompts(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    controller = await controllers.start()
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    assert await trainer.store.set_state(trainer.job_id, CANCELLED, "user") is True
+    await wait_for(lambda: _true(controller.driven_jobs == []), what="the driver to stop")
+    await trainer.publish_version(1)
+    await asyncio.sleep(0.3)
+    assert len(await trainer.prompts()) == 4
+    assert await trainer.state() == CANCELLED
+
+
+async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    fake_router = services[0]
+    _, trainer = await submit(bus, tokenizer_dir, services[0])
+    first = await controllers.start(consumer="controller-before")
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    await trainer.report_drops(0, stale=1)
+    await trainer.wait_for_prompts(5)
+    await controllers.stop(first)  # the api process goes away
+
+    await controllers.start(consumer="controller-after")
+    fake_router.version = 1
+    await trainer.publish_version(1)
+    prompts = await trainer.wait_for_prompts(7)
+    ids = [p.prompt_id.split(":", 1)[1] for p in prompts]
+    assert ids == ["0:0", "0:1", "1:0", "1:1", "extra:0", "2:0", "2:1"], "nothing issued twice"
+    assert len(fake_router.requests) == 12, "version 0 is not evaluated twice"
+    assert len({p.prompt_text for p in prompts}) == 7, "the prompt sequence continues, not restarts"
+    assert (await trainer.store.get(trainer.job_id)).state == RUNNING
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_groups_the_trainer_dropped_are_replaced(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start()
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    await trainer.report_drops(0, stale=2, invalid=1)
+    prompts = await trainer.wait_for_prompts(7)
+    assert len(prompts) == 7, "one replacement per dropped group, beyond the paced batches"
+    assert [p.prompt_id for p in prompts[4:]] == [f"{trainer.job_id}:extra:{i}" for i in range(3)]
+    assert all(p.n_samples == 2 and p.group_id == p.prompt_id for p in prompts[4:])
+    assert len({p.prompt_text for p in prompts}) == 7
+    await trainer.report_drops(1)
+    await asyncio.sleep(0.3)
+    assert len(await trainer.prompts()) == 7
+    assert (await trainer.store.get(trainer.job_id)).issued_extra == 3
+
+
+async def test_a_trainer_cancel_cancels_the_job(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start()
+    await trainer.publish_version(0)
+    await trainer.wait_for_state(RUNNING)
+    await trainer.report(common_pb2.JOB_STATE_CANCELLED, 0, "stopped through Trainer.Stop")
+    await trainer.wait_for_state(CANCELLED)
+    assert "Trainer.Stop" in (await trainer.store.get(trainer.job_id)).reason

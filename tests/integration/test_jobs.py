@@ -1,0 +1,127 @@
+"""The job store against a real Redis server: lifecycle, final states, progress, metrics history."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from services.common.bus import Bus
+from services.common.config import JobSpec
+from services.common.jobs import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    JobNotFoundError,
+    JobStore,
+    job_history_key,
+)
+from services.common.pb import common_pb2
+from services.common.streams import JOBS
+
+
+@pytest.fixture
+def store(bus: Bus) -> JobStore:
+    return JobStore(bus.redis, history_limit=5)
+
+
+async def test_create_stores_a_queued_job_and_submits_it_in_one_step(store: JobStore, bus: Bus) -> None:
+    spec = JobSpec.model_validate({"name": "addition", "trainer": {"steps": 7}})
+    record = await store.create(spec)
+
+    assert re.fullmatch(r"addition-[0-9a-f]{8}", record.job_id)
+    assert record.state == QUEUED and not record.terminal
+    assert (record.policy_version, record.step, record.reason, record.metrics) == (0, 0, "", {})
+    assert record.spec == spec
+    assert record.submitted_at == record.updated_at
+    await bus.ensure_group(JOBS, "trainers")
+    [delivery] = await bus.read(JOBS, "trainers", "t", common_pb2.JobSubmission, block_ms=100)
+    assert delivery.message.job_id == record.job_id
+    assert JobSpec.model_validate_json(delivery.message.spec_json) == spec
+    assert delivery.message.submitted_at.seconds == int(record.submitted_at)
+    assert [r.job_id for r in await store.active_jobs()] == [record.job_id]
+
+
+async def test_lifecycle_and_terminal_states_are_final(store: JobStore) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    assert await store.set_state(job_id, RUNNING) is True
+    assert [r.job_id for r in await store.running_jobs()] == [job_id]
+    assert await store.set_state(job_id, QUEUED) is False, "a running job never goes back to the queue"
+    assert await store.set_state(job_id, SUCCEEDED, "done") is True
+    for state in (CANCELLED, FAILED, RUNNING, SUCCEEDED):
+        assert await store.set_state(job_id, state, "too late") is False
+    record = await store.get(job_id)
+    assert (record.state, record.reason, record.terminal) == (SUCCEEDED, "done", True)
+    assert await store.active_jobs() == [] and await store.running_jobs() == []
+    assert record.updated_at >= record.submitted_at
+
+
+async def test_a_cancel_and_a_success_race_and_exactly_one_wins(store: JobStore) -> None:
+    for _ in range(5):
+        job_id = (await store.create(JobSpec())).job_id
+        await store.set_state(job_id, RUNNING)
+        won = await asyncio.gather(store.set_state(job_id, CANCELLED), store.set_state(job_id, SUCCEEDED))
+        assert sorted(won) == [False, True]
+        assert (await store.get(job_id)).state == (CANCELLED if won[0] else SUCCEEDED)
+
+
+async def test_unknown_jobs_and_states_are_errors(store: JobStore) -> None:
+    with pytest.raises(JobNotFoundError):
+        await store.get("nope-00000000")
+    with pytest.raises(JobNotFoundError):
+        await store.set_state("nope-00000000", RUNNING)
+    with pytest.raises(JobNotFoundError):
+        await store.update_progress("nope-00000000", 1, 1)
+    with pytest.raises(JobNotFoundError):
+        await store.merge_metrics("nope-00000000", {"x": 1.0}, step=0, source="eval")
+    with pytest.raises(JobNotFoundError):
+        await store.history("nope-00000000")
+    job_id = (await store.create(JobSpec())).job_id
+    with pytest.raises(ValueError, match="unknown job state 'DONE'"):
+        await store.set_state(job_id, "DONE")
+    assert await store.redis.exists("verst:job:nope-00000000") == 0, "errors must not create records"
+
+
+async def test_progress_only_moves_forward(store: JobStore) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    assert await store.update_progress(job_id, 3, 3) is True
+    assert await store.update_progress(job_id, 2, 2) is False, "a re-delivered old handle"
+    assert await store.update_progress(job_id, 3, 4) is True
+    record = await store.get(job_id)
+    assert (record.policy_version, record.step) == (3, 4)
+
+
+async def test_metrics_keep_the_latest_per_source_and_a_bounded_history(store: JobStore) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    await store.merge_metrics(job_id, {"accuracy": 0.25, "reward_mean": 0.3}, step=0, source="eval")
+    for step in range(1, 6):
+        await store.merge_metrics(
+            job_id, {"loss": 1.0 / step, "reward_mean": 0.1 * step}, step=step, source="trainer"
+        )
+    await store.merge_metrics(job_id, {"accuracy": 0.75}, step=5, source="eval", policy_version=5)
+
+    record = await store.get(job_id)
+    assert record.metrics == {
+        "eval/accuracy": 0.75,
+        "eval/reward_mean": 0.3,
+        "trainer/loss": pytest.approx(0.2),
+        "trainer/reward_mean": pytest.approx(0.5),
+    }
+    rows = await store.history(job_id)
+    assert len(rows) == 5, "capped at history_limit: the oldest rows were dropped"
+    assert [(r.source, r.step) for r in rows] == [("trainer", s) for s in range(2, 6)] + [("eval", 5)]
+    assert rows[-1].policy_version == 5 and rows[-1].values == {"accuracy": 0.75}
+    assert [r.step for r in await store.history(job_id, source="trainer", limit=2)] == [4, 5]
+    assert await store.redis.llen(job_history_key(job_id)) == 5
+
+
+async def test_list_is_newest_first_and_counts_by_state(store: JobStore) -> None:
+    ids = [(await store.create(JobSpec(name=f"job{i}"))).job_id for i in range(4)]
+    await store.set_state(ids[0], RUNNING)
+    await store.set_state(ids[1], FAILED, "boom")
+    assert [r.job_id for r in await store.list(limit=3)] == ids[::-1][:3]
+    assert [r.job_id for r in await store.active_jobs()] == [ids[0], ids[2], ids[3]]
+    assert await store.count_by_state() == {QUEUED: 2, RUNNING: 1, SUCCEEDED: 0, FAILED: 1, CANCELLED: 0}

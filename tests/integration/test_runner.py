@@ -1,0 +1,422 @@
+"""The rollout runner against real Redis and real gRPC servers standing in for the router and reward.
+
+FakeRouter and FakeReward implement the proto contracts deterministically (they
+are test doubles of other services; test_controller.py uses them too): the
+"engine" answers the addition prompt correctly for even sample indices (and,
+when greedy, for the problems ``correct_at_version`` says it knows), with
+logprobs and policy versions the test can check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common.bus import DATA_FIELD, Bus
+from services.common.config import JobSpec
+from services.common.jobs import RUNNING, JobStore
+from services.common.pb import (
+    common_pb2,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    router_pb2,
+    router_pb2_grpc,
+)
+from services.common.redis_server import free_port
+from services.common.streams import JobStreams
+from services.common.tasks import encode_prompt
+from services.rollout.config import RunnerSettings
+from services.rollout.runner import GROUP, Runner
+
+ENGINE_ID = "fake-engine-1"
+EOS = 2
+
+
+def logprob(index: int, position: int) -> float:
+    return -0.25 * (index + 1) - 0.01 * position
+
+
+class FakeRouter(router_pb2_grpc.RouterServicer):
+    """A router with one engine that serves ``version`` of ``job_id``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.job_id = ""
+        self.version = 0
+        self.requests: list[rollout_pb2.GenerateRequest] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.delay_s = 0.0
+        self.correct_at_version: Callable[[int, int, int], bool] = lambda a, b, version: False
+
+    def answer(self, text: str, index: int, greedy: bool) -> str:
+        a, b = (int(x) for x in text.rstrip("=").split("+"))
+        right = self.correct_at_version(a, b, self.version) if greedy else index % 2 == 0
+        return str(a + b)[::-1] if right else "0"
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> rollout_pb2.GenerateResponse:
+        self.requests.append(request)
+        text = self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=True)
+        if text.startswith("bad"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt tokens out of vocabulary")
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        completions = []
+        for index in range(request.sampling.n or 1):
+            ids = [
+                *self.tokenizer(self.answer(text, index, request.sampling.temperature == 0))["input_ids"],
+                EOS,
+            ]
+            completions.append(
+                rollout_pb2.Completion(
+                    index=index,
+                    token_ids=ids,
+                    logprobs=[logprob(index, p) for p in range(len(ids))],
+                    policy_versions=[self.version] * len(ids),
+                    finish_reason=common_pb2.FINISH_REASON_STOP,
+                )
+            )
+        return rollout_pb2.GenerateResponse(
+            request_id=request.request_id, completions=completions[::-1], engine_id=ENGINE_ID
+        )
+
+    async def ListEngines(
+        self, request: router_pb2.ListEnginesRequest, context: Any
+    ) -> router_pb2.ListEnginesResponse:
+        engine = common_pb2.EngineInfo(
+            engine_id=ENGINE_ID,
+            job_id=self.job_id,
+            policy_version=self.version,
+            state=common_pb2.ENGINE_STATE_SERVING,
+        )
+        return router_pb2.ListEnginesResponse(engines=[engine])
+
+
+class FakeReward(reward_pb2_grpc.RewardServicer):
+    """Reward 1 iff the stripped response equals the answer; ``gate`` can hold every call."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.batches: list[reward_pb2.ScoreBatchRequest] = []
+
+    async def ScoreBatch(
+        self, request: reward_pb2.ScoreBatchRequest, context: Any
+    ) -> reward_pb2.ScoreBatchResponse:
+        await self.gate.wait()
+        self.batches.append(request)
+        results = []
+        for item in request.items:
+            correct = float(item.response_text.strip() == item.answer)
+            results.append(reward_pb2.ScoreResponse(reward=correct, components={"correct": correct}))
+        return reward_pb2.ScoreBatchResponse(results=results)
+
+
+async def start_server(add: Callable[[grpc.aio.Server], None], port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint-like directory holding the builtin character tokenizer."""
+    from services.common.basemodel import build_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("checkpoint-v0")
+    build_char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture
+async def router(tokenizer: Any) -> AsyncIterator[tuple[FakeRouter, str]]:
+    fake = FakeRouter(tokenizer)
+    server, address = await start_server(lambda s: router_pb2_grpc.add_RouterServicer_to_server(fake, s))
+    yield fake, address
+    await server.stop(None)
+
+
+@pytest.fixture
+async def reward() -> AsyncIterator[tuple[FakeReward, str]]:
+    fake = FakeReward()
+    server, address = await start_server(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s))
+    yield fake, address
+    await server.stop(None)
+
+
+def checkpoint(job_id: str, version: int, directory: Path) -> common_pb2.CheckpointHandle:
+    return common_pb2.CheckpointHandle(
+        job_id=job_id, version=version, uri=directory.as_uri(), format="safetensors", step=version
+    )
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def trajectories(bus: Bus, job_id: str) -> list[common_pb2.Trajectory]:
+    entries = await bus.redis.xrange(JobStreams(job_id).trajectories)
+    return [common_pb2.Trajectory.FromString(fields[DATA_FIELD]) for _, fields in entries]
+
+
+class RunningJob:
+    """A RUNNING job with checkpoint v0, and helpers to feed it tasks."""
+
+    def __init__(self, bus: Bus, store: JobStore, job_id: str, spec: JobSpec, tokenizer: Any) -> None:
+        self.bus, self.store, self.job_id, self.spec, self.tokenizer = bus, store, job_id, spec, tokenizer
+        self.streams = JobStreams(job_id)
+
+    def task(self, index: int, text: str, answer: str) -> common_pb2.PromptTask:
+        prompt_id = f"{self.job_id}:0:{index}"
+        return common_pb2.PromptTask(
+            prompt_id=prompt_id,
+            job_id=self.job_id,
+            group_id=prompt_id,
+            prompt_token_ids=encode_prompt(self.tokenizer, text),
+            prompt_text=text,
+            n_samples=self.spec.algorithm.group_size,
+            sampling=common_pb2.SamplingParams(
+                temperature=1.0, max_new_tokens=8, n=self.spec.algorithm.group_size
+            ),
+            answer=answer,
+            verifier="addition",
+            split=common_pb2.SPLIT_TRAIN,
+            policy_version=0,
+        )
+
+    async def pending(self) -> int:
+        return await self.bus.pending_count(self.streams.prompts, GROUP)
+
+
+async def running_job(bus: Bus, store: JobStore, tokenizer: Any, directory: Path, **spec: Any) -> RunningJob:
+    job_spec = JobSpec.model_validate({"algorithm": {"group_size": 4}, **spec})
+    job_id = (await store.create(job_spec)).job_id
+    await store.set_state(job_id, RUNNING)
+    await bus.publish(JobStreams(job_id).checkpoints, checkpoint(job_id, 0, directory))
+    return RunningJob(bus, store, job_id, job_spec, tokenizer)
+
+
+@pytest.fixture
+async def runner_for(bus: Bus) -> AsyncIterator[Callable[..., Awaitable[Runner]]]:
+    """Starts a Runner in the background with the given settings; stops it at the end."""
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def start(**settings: Any) -> Runner:
+        runner = Runner(bus, JobStore(bus.redis), RunnerSettings(**{"jobs_refresh_s": 0.05, **settings}))
+        tasks.append(asyncio.create_task(runner.run(stop)))
+        return runner
+
+    yield start
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+
+async def test_one_trajectory_per_sample_with_engine_data_and_reward(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    fake_router, router_address = router
+    fake_router.version = 3
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    task = job.task(0, "47+85=", "231")
+    await bus.publish(job.streams.prompts, task)
+    await runner_for(router_address=router_address, reward_address=reward[1])
+
+    await wait_for(lambda: _count(bus, job.job_id, 4), what="4 trajectories")
+    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    got = await trajectories(bus, job.job_id)
+    assert [t.id for t in got] == [f"{task.prompt_id}:{i}" for i in range(4)], (
+        "sample order, ids prompt:index"
+    )
+    for i, t in enumerate(got):
+        answer_ids = [*tokenizer("231" if i % 2 == 0 else "0")["input_ids"], EOS]
+        assert (t.job_id, t.prompt_id, t.group_id) == (job.job_id, task.prompt_id, task.prompt_id)
+        assert (t.sample_index, t.group_size, t.num_turns, t.split) == (i, 4, 1, common_pb2.SPLIT_TRAIN)
+        assert list(t.prompt_token_ids) == list(task.prompt_token_ids)
+        assert list(t.response_token_ids) == answer_ids
+        assert list(t.behaviour_logprobs) == pytest.approx([logprob(i, p) for p in range(len(answer_ids))])
+        assert list(t.policy_versions) == [3] * len(answer_ids)
+        assert list(t.loss_mask) == [True] * len(answer_ids)
+        assert t.reward == (1.0 if i % 2 == 0 else 0.0) and t.reward_error == ""
+        assert dict(t.reward_components) == {"correct": t.reward}
+        assert t.finish_reason == common_pb2.FINISH_REASON_STOP and t.engine_id == ENGINE_ID
+    [request] = fake_router.requests
+    assert (request.request_id, request.session_id, request.job_id) == (
+        task.prompt_id,
+        task.group_id,
+        job.job_id,
+    )
+    assert request.sampling.n == 4 and request.sampling.temperature == 1.0
+    [batch] = reward[0].batches
+    assert [item.response_text for item in batch.items] == ["231", "0", "231", "0"], "decoded without EOS"
+    assert {item.answer for item in batch.items} == {"231"} and {item.verifier for item in batch.items} == {
+        "addition"
+    }
+
+
+async def test_acks_only_after_the_group_is_scored_and_published(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    fake_reward, reward_address = reward
+    fake_reward.gate.clear()
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    await bus.publish(job.streams.prompts, job.task(0, "12+34=", "64"))
+    await runner_for(router_address=router[1], reward_address=reward_address)
+
+    await wait_for(lambda: _is_true(len(router[0].requests) == 1), what="the Generate call")
+    await asyncio.sleep(0.3)
+    assert await job.pending() == 1 and await trajectories(bus, job.job_id) == []
+    fake_reward.gate.set()
+    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    assert len(await trajectories(bus, job.job_id)) == 4
+
+
+async def test_a_task_stays_pending_while_the_reward_service_is_down_and_is_retried(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    reward_port = free_port()
+    job = await running_job(
+        bus, JobStore(bus.redis), tokenizer, tokenizer_dir,
+        rollout={"request_timeout_s": 1.0}, reward={"timeout_s": 0.5},
+    )  # fmt: skip
+    await bus.publish(job.streams.prompts, job.task(0, "12+34=", "64"))
+    await runner_for(
+        router_address=router[1], reward_address=f"127.0.0.1:{reward_port}", retry_s=0.2, reclaim_idle_ms=1000
+    )
+
+    await wait_for(lambda: _is_true(len(router[0].requests) >= 1), what="the Generate call")
+    await asyncio.sleep(0.5)
+    assert await job.pending() == 1, "a failed task is left pending, never acked"
+    assert await trajectories(bus, job.job_id) == []
+    assert await bus.redis.xlen(job.streams.dead) == 0
+
+    fake = FakeReward()
+    server, _ = await start_server(
+        lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s), reward_port
+    )
+    try:
+        # Reclaimed once it has been idle for reclaim_idle_ms (a failed task is not kept alive).
+        await wait_for(lambda: _count(bus, job.job_id, 4), timeout_s=15, what="the retried group")
+        await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    finally:
+        await server.stop(None)
+    assert len(router[0].requests) >= 2, "generated again on the retry"
+
+
+async def test_a_task_the_engine_refuses_is_dead_lettered(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    await bus.publish_many(job.streams.prompts, [job.task(0, "bad+1=", "1"), job.task(1, "10+10=", "02")])
+    await runner_for(router_address=router[1], reward_address=reward[1])
+
+    await wait_for(lambda: _count(bus, job.job_id, 4), what="the good task's trajectories")
+    await wait_for(lambda: _is_zero(job.pending()), what="both tasks to leave the pending list")
+    [entry] = await bus.redis.xrange(job.streams.dead)
+    letter = common_pb2.DeadLetter.FromString(entry[1][DATA_FIELD])
+    assert "INVALID_ARGUMENT" in letter.reason and "out of vocabulary" in letter.reason
+    assert common_pb2.PromptTask.FromString(letter.payload).prompt_id == f"{job.job_id}:0:0"
+    assert {t.prompt_id for t in await trajectories(bus, job.job_id)} == {f"{job.job_id}:0:1"}
+
+
+async def test_groups_run_concurrently_up_to_the_bound_and_only_for_running_jobs(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    fake_router, router_address = router
+    fake_router.delay_s = 0.2
+    store = JobStore(bus.redis)
+    job = await running_job(bus, store, tokenizer, tokenizer_dir)
+    queued_id = (await store.create(JobSpec())).job_id
+    await bus.publish(JobStreams(queued_id).prompts, job.task(9, "11+11=", "22"))
+    await bus.publish_many(job.streams.prompts, [job.task(i, f"{10 + i}+20=", "0") for i in range(6)])
+    await runner_for(router_address=router_address, reward_address=reward[1], max_concurrent_groups=2)
+
+    await wait_for(lambda: _count(bus, job.job_id, 24), what="24 trajectories")
+    assert fake_router.max_in_flight == 2
+    assert await bus.redis.xlen(JobStreams(queued_id).trajectories) == 0, "a queued job's prompts wait"
+    assert await bus.redis.xinfo_groups(JobStreams(queued_id).prompts) == [], "nobody read them"
+
+
+async def _count(bus: Bus, job_id: str, expected: int) -> bool:
+    return await bus.redis.xlen(JobStreams(job_id).trajectories) >= expected
+
+
+async def _is_zero(value: Awaitable[int]) -> bool:
+    return await value == 0
+
+
+async def _is_true(value: bool) -> bool:
+    return value
+
+
+async def test_a_long_rollout_is_kept_alive_and_not_handed_out_twice(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    router: tuple[FakeRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    fake_router, router_address = router
+    fake_router.delay_s = 1.2
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    await bus.publish(job.streams.prompts, job.task(0, "12+34=", "64"))
+    # Two runners; a task idle for 0.3 s counts as abandoned, yet this one takes 1.2 s.
+    await runner_for(router_address=router_address, reward_address=reward[1], reclaim_idle_ms=300)
+    await runner_for(router_address=router_address, reward_address=reward[1], reclaim_idle_ms=300)
+
+    await wait_for(lambda: _count(bus, job.job_id, 4), what="the group")
+    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    await asyncio.sleep(0.5)
+    assert len(fake_router.requests) == 1, "renewed while in flight, so never reclaimed"
+    assert await bus.redis.xlen(job.streams.trajectories) == 4
