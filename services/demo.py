@@ -18,11 +18,10 @@ DEMO_TIMEOUT_S = 3600.0
 
 
 def job_history(api: str, job_id: str) -> list[dict[str, Any]]:
-    """Per-step metric rows: {"step", "source", "values"}."""
+    """Per-step metric points, oldest first: {"step", "policy_version", "source", "values", "time"}."""
     response = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", timeout=10)
     response.raise_for_status()
-    body = response.json()
-    return body["history"] if isinstance(body, dict) else body
+    return response.json()["points"]
 
 
 def series(history: list[dict[str, Any]], source: str, name: str) -> tuple[list[int], list[float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ import yaml
 from services.common.bus import DATA_FIELD
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
-from services.demo import series
+from services.demo import job_history, series
 from services.stack import Stack, StackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +54,10 @@ def published_trajectories(redis_url: str, job_id: str) -> list[common_pb2.Traje
     return [common_pb2.Trajectory.FromString(fields[DATA_FIELD]) for _, fields in entries]
 
 
-def trained_ids(checkpoint_dir: Path, job_id: str) -> list[str]:
-    ids: list[str] = []
-    for path in sorted((checkpoint_dir / job_id).glob("v*/trained_ids.json")):
-        ids += json.loads(path.read_text())
-    return ids
+def trained_ids(checkpoint_dir: Path, job_id: str) -> list[list[str]]:
+    """Per checkpoint, oldest first: every trajectory id trained up to that version."""
+    paths = sorted((checkpoint_dir / job_id).glob("v*/trained_ids.json"))
+    return [json.loads(path.read_text()) for path in paths]
 
 
 def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
         assert response.status_code == 201, response.text
         job_id = response.json()["job_id"]
         job = wait_for_end(stack.api_url, job_id, stack)
-        history = httpx.get(f"{stack.api_url}/v1/jobs/{job_id}/metrics", timeout=10).json()
+        history = job_history(stack.api_url, job_id)
         trajectories = published_trajectories(stack.redis_url, job_id)
 
     assert job["state"] == "JOB_STATE_SUCCEEDED", job
@@ -82,14 +82,16 @@ def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
     versions = Counter(v for t in trajectories for v in t.policy_versions)
     assert len(versions) > 1, versions
 
-    # Nothing was trained twice, and everything trained was really published.
-    trained = trained_ids(checkpoints, job_id)
-    assert trained, "the trainer recorded no trained trajectory ids"
-    assert len(trained) == len(set(trained))
-    assert set(trained) <= {t.id for t in trajectories}
+    # Nothing was trained twice: each step added a full batch of new ids to the record, and
+    # everything trained was really published.
+    per_version = trained_ids(checkpoints, job_id)
+    assert len(per_version) == 9  # v0 .. v8
+    batch = 16 * 8  # prompts_per_step x group_size
+    for before, after in itertools.pairwise(per_version):
+        assert set(before) < set(after) and len(after) == len(set(after)) == len(before) + batch
+    assert set(per_version[-1]) <= {t.id for t in trajectories}
 
     # Learning, not just motion: held-out greedy accuracy rose by at least 0.2.
-    rows = history["history"] if isinstance(history, dict) else history
-    steps, accuracy = series(rows, "eval", "accuracy")
+    steps, accuracy = series(history, "eval", "accuracy")
     assert steps[0] == 0 and steps[-1] == 8, steps
     assert accuracy[-1] >= accuracy[0] + 0.2, list(zip(steps, accuracy, strict=True))

@@ -33,7 +33,7 @@ def test_yaml_values_reach_the_model() -> None:
     spec = load_job_spec(EXAMPLES / "addition.yaml")
     assert spec.algorithm.clip_high == 0.28
     assert spec.rollout.prompts_per_step == 16
-    assert spec.trainer.learning_rate == 5e-5
+    assert spec.trainer.learning_rate == 1e-4
 
 
 @pytest.mark.parametrize(
