@@ -35,7 +35,7 @@ from services.common.bus import encode
 from services.common.consumer import StreamConsumer
 from services.common.jobs import CANCELLED, FAILED, RUNNING, SUCCEEDED, JobRecord, load_job_tokenizer
 from services.common.pb import common_pb2, router_pb2
-from services.common.streams import JobStreams
+from services.common.streams import CONTROLLER_GROUP, JobStreams
 from services.common.tasks import DataError, PromptExample, eval_prompts
 
 if TYPE_CHECKING:
@@ -43,16 +43,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GROUP = "controller"
-"""Consumer group of the controller on the checkpoints, metrics and status streams."""
+GROUP = CONTROLLER_GROUP
 DRAIN_TIMEOUT_S = 5.0
 """How long a finishing driver keeps reading metrics that are already published."""
 Outcome = tuple[str, str] | None
 """(final state, reason), or None when the driver was stopped from outside."""
 ENGINE_POLL_S = 0.2
 """How often the router is asked which versions the engines serve while pacing waits on them."""
-DROP_METRICS = ("stale_dropped", "invalid_dropped")
-"""Trainer metric values (groups dropped since its last report) that the controller replaces."""
+DROP_METRICS = ("stale_dropped", "invalid_dropped", "zero_variance_dropped")
+"""Trainer metric values (groups it just dropped without training a step) that the controller replaces."""
 
 
 def _drops(values: dict[str, float]) -> int:

@@ -33,6 +33,7 @@ M = TypeVar("M", bound=Message)
 
 TYPE_FIELD = b"t"
 DATA_FIELD = b"d"
+_MAX_RECLAIM_SCANS = 16
 DEFAULT_MAXLEN = 1_000_000
 """Approximate cap on a stream's length; consumed entries are trimmed well before it."""
 
@@ -170,12 +171,26 @@ class Bus:
         min_idle_ms: int,
         count: int = 100,
     ) -> list[Delivery[M]]:
-        """Take over entries pending on other consumers for at least ``min_idle_ms``."""
-        _, entries, *_ = await self.redis.xautoclaim(
-            stream, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
-        )
-        present = [(eid, fields) for eid, fields in entries if eid is not None]
-        if len(present) < len(entries):
+        """Take over up to ``count`` entries pending on other consumers for at least
+        ``min_idle_ms``. Follows XAUTOCLAIM's cursor through the pending list (a
+        Redis 7 server scans only ``10 * count`` pending entries per call)."""
+        cursor: bytes | str = "0-0"
+        present: list[tuple[bytes, dict[bytes, bytes]]] = []
+        trimmed_seen = False
+        for _ in range(_MAX_RECLAIM_SCANS):
+            cursor, entries, *_ = await self.redis.xautoclaim(
+                stream,
+                group,
+                consumer,
+                min_idle_time=min_idle_ms,
+                start_id=cursor,
+                count=count - len(present),
+            )
+            present += [(eid, fields) for eid, fields in entries if eid is not None]
+            trimmed_seen |= any(eid is None for eid, _ in entries)
+            if cursor in (b"0-0", "0-0") or len(present) >= count:
+                break
+        if trimmed_seen:
             await self._dead_letter_trimmed(stream, group, consumer, {eid for eid, _ in present})
         if not present:
             return []
@@ -186,6 +201,20 @@ class Bus:
             rows[0]["message_id"]: int(rows[0]["times_delivered"]) for rows in await pipe.execute() if rows
         }
         return await self._decode_all(stream, group, consumer, message_type, present, counts)
+
+    async def touch(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Reset the idle time of entries this consumer still works on, so that they are
+        not reclaimed as abandoned (XCLAIM JUSTID: no delivery is counted). Returns the
+        ids now held; an id acked or deleted meanwhile is not among them."""
+        if not entry_ids:
+            return []
+        held = await self.redis.xclaim(stream, group, consumer, 0, list(entry_ids), justid=True)
+        return [eid.decode() if isinstance(eid, bytes) else eid for eid in held]
+
+    async def owner(self, stream: str, group: str, entry_id: str) -> str | None:
+        """The consumer an entry is pending on, or None when it is not pending."""
+        rows = await self.redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        return rows[0]["consumer"].decode() if rows else None
 
     async def ack(self, stream: str, group: str, entry_ids: Sequence[str]) -> int:
         """Acknowledge processed entries; returns how many were pending."""

@@ -61,12 +61,24 @@ async def serve(
     log.info("%s shutting down", settings.service_name)
     await health_servicer.enter_graceful_shutdown()
     if worker is not None:
-        try:
-            await asyncio.wait_for(worker, timeout=settings.shutdown_grace_s)
-        except TimeoutError:
-            log.warning("background work did not stop within %.1fs; cancelled", settings.shutdown_grace_s)
+        await _stop_worker(worker, settings.shutdown_grace_s)
     await server.stop(settings.shutdown_grace_s)
     log.info("%s stopped", settings.service_name)
+
+
+async def _stop_worker(worker: asyncio.Task[None], grace_s: float) -> None:
+    """Give background work ``grace_s`` to return, then cancel it, bounded too: a cancel
+    swallowed inside a client library must not hang the shutdown."""
+    done, _ = await asyncio.wait({worker}, timeout=grace_s)
+    if not done:
+        log.warning("background work did not stop within %.1fs; cancelling it", grace_s)
+        worker.cancel()
+        done, _ = await asyncio.wait({worker}, timeout=2.0)
+        if not done:
+            log.error("background work ignored its cancellation; shutting down without it")
+            return
+    if not worker.cancelled() and worker.exception() is not None:
+        log.error("background work failed", exc_info=worker.exception())
 
 
 def run(settings: ServiceSettings, register: Register | None = None) -> None:

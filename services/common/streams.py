@@ -17,6 +17,17 @@ ENGINE_HEARTBEATS = f"{PREFIX}:engines:heartbeat"
 """Sorted set: engine id -> unix time of its last heartbeat."""
 
 
+# Consumer groups: who reads which stream.
+TRAINERS_GROUP = "trainers"
+"""Trainers on `verst:jobs`: one trainer claims each job."""
+TRAINER_GROUP = "trainer"
+"""The trainer of a job on its trajectories stream."""
+RUNNERS_GROUP = "runners"
+"""Rollout runners on a job's prompts stream."""
+CONTROLLER_GROUP = "controller"
+"""The api's controller on a job's checkpoints, metrics and status streams."""
+
+
 def job_key(job_id: str) -> str:
     """Hash holding one job's record (written by the api's controller only)."""
     return f"{PREFIX}:job:{job_id}"

@@ -28,7 +28,7 @@ from services.common.grpc_server import serve
 from services.common.jobs import JobRecord, JobStore, load_job_tokenizer
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
-from services.common.streams import JobStreams
+from services.common.streams import RUNNERS_GROUP, JobStreams
 from services.rollout.config import RunnerSettings
 from services.rollout.runner_group import (
     GroupClients,
@@ -40,8 +40,7 @@ from services.rollout.runner_group import (
 
 log = logging.getLogger(__name__)
 
-GROUP = "runners"
-"""The runners' consumer group on every job's prompts stream."""
+GROUP = RUNNERS_GROUP
 POLL_BLOCK_MS = 500
 """How long one read of a prompts stream waits for a task."""
 KEEPALIVE_FRACTION = 3
@@ -186,7 +185,7 @@ class Runner:
                 if not entry_ids:
                     continue
                 try:
-                    await self.bus.redis.xclaim(stream, GROUP, self.consumer, 0, list(entry_ids), justid=True)
+                    await self.bus.touch(stream, GROUP, self.consumer, list(entry_ids))
                 except Exception:  # a Redis outage: the next round tries again
                     log.exception("could not renew %d tasks of %s", len(entry_ids), stream)
 

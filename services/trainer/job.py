@@ -28,7 +28,7 @@ from services.common.bus import Bus, Delivery
 from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2, trainer_pb2
-from services.common.streams import JOBS, JobStreams, job_key
+from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams, job_key
 from services.trainer.advantages import get_advantage
 from services.trainer.batching import TrainSample
 from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
@@ -39,10 +39,8 @@ from services.trainer.policy import Policy, StepStats, deepspeed_config, init_di
 
 log = logging.getLogger(__name__)
 
-JOB_GROUP = "trainers"
-"""Consumer group of trainers on verst:jobs."""
-TRAJECTORY_GROUP = "trainer"
-"""Consumer group of the trainer on a job's trajectories stream."""
+JOB_GROUP = TRAINERS_GROUP
+TRAJECTORY_GROUP = TRAINER_GROUP
 TERMINAL_STATES = frozenset(
     common_pb2.JobState.Name(state)
     for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
@@ -124,10 +122,8 @@ class Progress:
 
 @dataclass(slots=True)
 class DropCounts:
-    """What one step's collection skipped, reported in its Metric."""
+    """What one step skipped, reported in its Metric. (Dropped groups are reported at once.)"""
 
-    stale: int = 0
-    invalid: int = 0
     zero_variance: int = 0
     duplicates: int = 0
 
@@ -343,19 +339,22 @@ class JobRun:
             log.warning("job %s: %s", self.job_id, reason)
             for delivery in unique_deliveries([group]):
                 await consumer.dead_letter(delivery, reason)
-        self.drops.stale += len(unusable.stale)
-        self.drops.invalid += len(unusable.invalid)
+        if unusable.stale or unusable.invalid:
+            # Reported at once, not with the next step: the controller replaces dropped
+            # groups, and until it does this step may never fill.
+            await self._report_drops(stale_dropped=len(unusable.stale), invalid_dropped=len(unusable.invalid))
 
     async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
         """Optimise on the groups, checkpoint, announce, then ack them and report the step."""
         collected_at = time.monotonic()
         trainable = [g for g in groups if not self._zero_variance(g)]
-        self.drops.zero_variance += len(groups) - len(trainable)
         self._in_training = unique_deliveries(groups)
         if not trainable:  # nothing to learn from: these groups are done, the version stays
             await consumer.ack(self._in_training)
             self._in_training = []
+            await self._report_drops(zero_variance_dropped=len(groups))
             return
+        self.drops.zero_variance += len(groups) - len(trainable)
         samples, rewards = build_samples(trainable, self.spec)
         async with self.model_lock:
             assert self.policy is not None
@@ -395,9 +394,7 @@ class JobRun:
             "grad_norm": stats.grad_norm,
             "learning_rate": stats.learning_rate,
             "response_tokens": float(sum(len(s.response_token_ids) for s in samples)),
-            "stale_dropped": float(self.drops.stale),
-            "invalid_dropped": float(self.drops.invalid),
-            "zero_variance_dropped": float(self.drops.zero_variance),
+            "zero_variance_filtered": float(self.drops.zero_variance),
             "duplicates_skipped": float(self.drops.duplicates),
             "step_seconds": optimise_s + checkpoint_s,
             "checkpoint_seconds": checkpoint_s,
@@ -421,6 +418,18 @@ class JobRun:
             *(stats.approx_kl, stats.grad_norm, values["step_seconds"]),
         )
 
+    async def _report_drops(self, **counts: int) -> None:
+        """A Metric of groups dropped just now, which the controller replaces."""
+        metric = common_pb2.Metric(
+            job_id=self.job_id,
+            step=self.version,
+            policy_version=self.version,
+            source="trainer",
+            values={name: float(count) for name, count in counts.items()},
+        )
+        metric.time.GetCurrentTime()
+        await self.bus.publish(self.streams.metrics, metric)
+
     # -- keep-alive ------------------------------------------------------------------------
 
     async def _keep_alive(self) -> None:
@@ -441,16 +450,10 @@ class JobRun:
                 log.warning("job %s: keep-alive failed, retrying: %s", self.job_id, err)
 
     async def _renew_claims(self) -> None:
-        redis = self.bus.redis
         entry = self.submission_entry_id
-        rows = await redis.xpending_range(JOBS, JOB_GROUP, min=entry, max=entry, count=1)
-        owner = rows[0]["consumer"].decode() if rows else None
+        owner = await self.bus.owner(JOBS, JOB_GROUP, entry)
         if owner != self.consumer:
             raise JobStopped(StopKind.LOST, f"the job's claim is now held by {owner or 'nobody'}")
-        # XCLAIM ... JUSTID resets an entry's idle time without counting a delivery.
-        await redis.xclaim(JOBS, JOB_GROUP, self.consumer, 0, [entry], justid=True)
+        await self.bus.touch(JOBS, JOB_GROUP, self.consumer, [entry])
         held = self.collector.buffered_entry_ids() + [d.entry_id for d in self._in_training]
-        if held:
-            await redis.xclaim(
-                self.streams.trajectories, TRAJECTORY_GROUP, self.consumer, 0, held, justid=True
-            )
+        await self.bus.touch(self.streams.trajectories, TRAJECTORY_GROUP, self.consumer, held)

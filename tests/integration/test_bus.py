@@ -214,3 +214,26 @@ async def test_latest_reads_the_newest_message_without_a_group(bus: Bus) -> None
     assert latest is not None and latest.version == 2
     with pytest.raises(TypeError, match=r"not a verst\.v1\.Metric"):
         await bus.latest(stream, common_pb2.Metric)
+
+
+async def test_reclaim_follows_the_cursor_past_live_entries(bus: Bus) -> None:
+    """Idle entries far down the pending list are found, not only the first ones scanned."""
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    await bus.publish_many(stream, [trajectory(i) for i in range(60)])
+    live = await bus.read(stream, GROUP, "live", common_pb2.Trajectory, count=50, block_ms=100)
+    await bus.read(stream, GROUP, "dead", common_pb2.Trajectory, count=10, block_ms=100)
+    await asyncio.sleep(0.05)
+    # "live" keeps its entries fresh; only the dead consumer's 10, behind them, are idle.
+    held = await bus.touch(stream, GROUP, "live", [d.entry_id for d in live])
+    assert len(held) == 50
+    first = await bus.reclaim(stream, GROUP, "new", common_pb2.Trajectory, min_idle_ms=40, count=4)
+    rest = await bus.reclaim(stream, GROUP, "new", common_pb2.Trajectory, min_idle_ms=40, count=100)
+    assert len(first) == 4
+    got = first + rest
+    assert sorted(d.message.id for d in got) == sorted(f"traj-{i}" for i in range(50, 60))
+    assert await bus.owner(stream, GROUP, got[0].entry_id) == "new"
+    assert await bus.owner(stream, GROUP, live[0].entry_id) == "live"
+    await bus.ack(stream, GROUP, [live[0].entry_id])
+    assert await bus.owner(stream, GROUP, live[0].entry_id) is None
+    assert await bus.touch(stream, GROUP, "live", [live[0].entry_id]) == []
