@@ -10,7 +10,8 @@
 4. On every new version update the job record; evaluate every
    ``eval.every_steps`` versions.
 5. On the trainer's SUCCEEDED status evaluate the final version, then mark the
-   job SUCCEEDED; on its FAILED (CANCELLED) status, or when no version arrives
+   job SUCCEEDED; on its FAILED (CANCELLED) status, a prompt task dead-lettered
+   as invalid, or when no version arrives
    within the stall timeout (or no v0 within the queue timeout), mark it FAILED
    (CANCELLED) with the reason.
 
@@ -117,6 +118,7 @@ class JobDriver:
         tasks = [
             asyncio.create_task(self._follow_checkpoints()),
             asyncio.create_task(self._follow_status()),
+            asyncio.create_task(self._follow_dead_letters()),
             asyncio.create_task(self._watchdog()),
             asyncio.create_task(self._feed()),
         ]
@@ -223,6 +225,24 @@ class JobDriver:
                 else:
                     state = common_pb2.JobState.Name(status.state)
                     log.warning("%s: ignoring trainer status %s", self.job_id, state)
+            await consumer.ack(deliveries)
+
+    async def _follow_dead_letters(self) -> None:
+        """A prompt task the rollout side rejected (say, prompt + max_new_tokens beyond the
+        model's positions) will be rejected again: fail the job now with that reason rather
+        than stall. Other dead letters (a malformed trajectory) are logged; the trainer
+        reports those groups dropped and they are replaced."""
+        consumer = self._consumer(self.streams.dead, common_pb2.DeadLetter, 500)
+        while not self._stopping.is_set():
+            deliveries = await consumer.poll()
+            for delivery in deliveries:
+                letter = delivery.message
+                if letter.source_stream == self.streams.prompts:
+                    self._fail(f"a prompt task was rejected: {letter.reason}")
+                else:
+                    log.warning(
+                        "%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason
+                    )
             await consumer.ack(deliveries)
 
     async def _succeed(self, status: common_pb2.JobStatus) -> None:

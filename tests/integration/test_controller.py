@@ -16,12 +16,13 @@ import pytest
 from services.api.config import ApiSettings
 from services.api.controller import Controller
 from services.api.telemetry import ApiMetrics
-from services.common.bus import DATA_FIELD, Bus
+from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobStore
 from services.common.pb import common_pb2
-from services.common.streams import JobStreams
+from services.common.streams import RUNNERS_GROUP, JobStreams
 from services.common.tasks import encode_prompt, eval_prompts
+from tests.helpers import eventually, stream_messages
 from tests.integration.test_runner import (
     FakeReward,
     FakeRouter,
@@ -30,7 +31,6 @@ from tests.integration.test_runner import (
     router,  # noqa: F401  (fixture)
     tokenizer,  # noqa: F401  (fixture)
     tokenizer_dir,  # noqa: F401  (fixture)
-    wait_for,
 )
 
 Services = tuple[FakeRouter, str, FakeReward, str]
@@ -113,8 +113,7 @@ class Trainer:
         await self.bus.publish(self.streams.metrics, metric)
 
     async def prompts(self) -> list[common_pb2.PromptTask]:
-        entries = await self.bus.redis.xrange(self.streams.prompts)
-        return [common_pb2.PromptTask.FromString(fields[DATA_FIELD]) for _, fields in entries]
+        return await stream_messages(self.bus, self.streams.prompts, common_pb2.PromptTask)
 
     async def state(self) -> str:
         return (await self.store.get(self.job_id)).state
@@ -123,13 +122,13 @@ class Trainer:
         async def reached() -> bool:
             return await self.state() == state
 
-        await wait_for(reached, timeout_s, f"state {state}")
+        await eventually(reached, f"state {state}", timeout_s)
 
     async def wait_for_prompts(self, count: int) -> list[common_pb2.PromptTask]:
         async def issued() -> bool:
             return len(await self.prompts()) >= count
 
-        await wait_for(issued, 10.0, f"{count} prompts")
+        await eventually(issued, f"{count} prompts")
         await asyncio.sleep(0.3)  # time for the controller to overshoot, if it would
         return await self.prompts()
 
@@ -284,7 +283,7 @@ async def test_cancel_stops_the_prompts(
     await trainer.publish_version(0)
     await trainer.wait_for_prompts(4)
     assert await trainer.store.set_state(trainer.job_id, CANCELLED, "user") is True
-    await wait_for(lambda: _true(controller.driven_jobs == []), what="the driver to stop")
+    await eventually(lambda: _true(controller.driven_jobs == []), what="the driver to stop")
     await trainer.publish_version(1)
     await asyncio.sleep(0.3)
     assert len(await trainer.prompts()) == 4
@@ -356,3 +355,25 @@ async def test_a_trainer_cancel_cancels_the_job(
     await trainer.report(common_pb2.JOB_STATE_CANCELLED, 0, "stopped through Trainer.Stop")
     await trainer.wait_for_state(CANCELLED)
     assert "Trainer.Stop" in (await trainer.store.get(trainer.job_id)).reason
+
+
+async def test_a_rejected_prompt_task_fails_the_job_with_the_reason(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    """An invalid task will be invalid on every retry: the job fails at once, not at the stall timeout."""
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start()
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(1)
+    streams = JobStreams(trainer.job_id)
+    await bus.ensure_group(streams.prompts, RUNNERS_GROUP)
+    (delivery, *_) = await bus.read(
+        streams.prompts, RUNNERS_GROUP, "r", common_pb2.PromptTask, count=1, block_ms=1000
+    )
+    reason = "invalid task: prompt (7 tokens) + max_new_tokens (64) = 71 exceeds the model's 32 positions"
+    await bus.dead_letter(streams.prompts, RUNNERS_GROUP, "r", delivery, reason)
+    await trainer.wait_for_state(FAILED, timeout_s=5.0)
+    assert (await trainer.store.get(trainer.job_id)).reason == f"a prompt task was rejected: {reason}"
