@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,8 +22,14 @@ DEFAULT_SPEC = REPO_ROOT / "examples" / "addition.yaml"
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from services.stack import Stack, StackConfig
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack in order, like Ctrl-C
 
     config = StackConfig(log_dir=Path(args.log_dir), redis_dir=Path(args.redis_dir), engines=args.engines)
     stack = Stack(config)

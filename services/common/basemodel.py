@@ -75,7 +75,7 @@ class WarmupRecipe:
     intermediate_size: int = 512
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
-    max_position_embeddings: int = 32
+    max_position_embeddings: int = 128
     steps: int = 900
     batch_size: int = 128
     learning_rate: float = 1e-3
