@@ -11,14 +11,15 @@ be pending and nothing may be left to read, or the benchmark fails.
 The baseline is pipelined XADD of the same serialized bytes, with the same
 fields and batch size, to a fresh stream on the same server, with no consumer.
 
-By default the producer and the consumer are two processes, as a rollout runner
-and a trainer are, each with its own event loop and Redis client (``--mode
-procs``); the producer stamps the start and the consumer the end on the
-system-wide monotonic clock. ``--mode inproc`` runs both as coroutines of one
-event loop instead, which bounds them to one core (slower: see bench/RESULTS.md).
+The producer and the consumer are two forked processes, as a rollout runner and
+a trainer are, each with its own event loop and Redis client; the producer stamps
+the start and the consumer the end on the system-wide monotonic clock. (The
+``--mode inproc`` variant that bench/RESULTS.md's notes compare, both sides as
+coroutines of one event loop, is gone; ``--mode procs`` was this default.)
 
 Each run also reports how many cores other processes kept busy meanwhile, since
-figures taken on a shared machine understate the bus.
+figures taken on a shared machine understate the bus. That accounting, the
+machine description and the rewrite of RESULTS.md are in bench/report.py.
 
     .venv/bin/python bench/bus.py                # also rewrites its section of bench/RESULTS.md
     .venv/bin/python bench/bus.py --no-results --trajectories 5000
@@ -29,10 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import math
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -42,29 +41,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import google.protobuf
 import numpy as np
-import psutil
-import redis
-import redis.asyncio.connection
-from google.protobuf.internal import api_implementation
 
+from bench.report import BUSY_MACHINE, CpuSample, machine, redact, update_results
 from services.common.bus import DATA_FIELD, DEFAULT_MAXLEN, TYPE_FIELD, Bus, connect
 from services.common.pb.common_pb2 import FINISH_REASON_STOP, SPLIT_TRAIN, Trajectory
 from services.common.redis_server import EmbeddedRedis
 from services.common.streams import JobStreams
 
 SECTION_TITLE = "## bus (bench/bus.py)"
-RESULTS_HEADER = """# Benchmarks
-
-Each script in `bench/` owns one `## <name> (bench/<script>.py)` section of this
-file and rewrites only that section when it runs (pass `--no-results` to leave
-the file alone). The figures are from real runs on the machine each section names.
-"""
 DESCRIPTION = """
 `Bus.publish_many` (serialization included) -> `Bus.read` (XREADGROUP in a consumer group,
 decoding into `Trajectory`) -> `Bus.ack` per batch, timed from the first publish to the last
@@ -81,18 +69,26 @@ CONSUMER = "bench-trainer-0"
 IDLE_TIMEOUT_S = 30.0
 """The consumer fails if nothing arrives for this long before it has everything."""
 CHILD_TIMEOUT_S = 600.0
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-BUSY_MACHINE = 0.1
-"""Other processes keeping this many cores busy during a run make its figures suspect."""
-MODES = {
-    "inproc": "two coroutines of one asyncio event loop in one process, each with its own Redis client",
-    "procs": "two processes (forked), each with its own asyncio event loop and Redis client;"
-    " the producer stamps the start, the consumer the end, on the system-wide monotonic clock",
-}
+PRODUCER_AND_CONSUMER = (
+    "two processes (forked), each with its own asyncio event loop and Redis client;"
+    " the producer stamps the start, the consumer the end, on the system-wide monotonic clock"
+)
 
 
 class BenchError(RuntimeError):
     """The pipeline lost, duplicated or left pending a trajectory, or a side failed."""
+
+
+INT_OPTIONS = {  # flag: default, minimum, help; the fields of Config
+    "--trajectories": (20_000, 1, "per run"),
+    "--tokens": (1_000, 1, "response tokens per trajectory"),
+    "--prompt-tokens": (128, 0, "prompt tokens per trajectory"),
+    "--batch": (100, 1, "publish_many (and raw pipeline) batch size"),
+    "--count": (100, 1, "XREADGROUP COUNT"),
+    "--block-ms": (1000, 1, "XREADGROUP BLOCK"),
+    "--repeat": (3, 1, "measured runs, each on fresh streams"),
+    "--warmup": (1, 0, "runs before those, not reported"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,23 +99,20 @@ class Config:
     batch: int
     count: int
     block_ms: int
-    mode: str
     repeat: int
     warmup: int
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    """What one pass of the measured pipeline saw, on the (system-wide) monotonic clock."""
+    """What one pass of the measured pipeline saw, on the (system-wide) monotonic clock: just
+    before the first publish, just after the last publish and the last ack, and how many times
+    each trajectory id was received."""
 
     start: float
-    """Just before the first publish."""
     published: float
-    """Just after the last publish."""
     end: float
-    """Just after the last ack."""
     seen: Counter[str]
-    """How many times each trajectory id was received."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,20 +205,6 @@ async def consume(bus: Bus, stream: str, n: int, cfg: Config) -> tuple[Counter[s
         received += len(deliveries)
         last_seen = time.perf_counter()
     return seen, time.perf_counter()
-
-
-async def run_inproc(url: str, stream: str, trajectories: Sequence[Trajectory], cfg: Config) -> Pipeline:
-    """Producer and consumer as coroutines of this event loop, each with its own client."""
-    producer, consumer = Bus(connect(url)), Bus(connect(url))
-    try:
-        await asyncio.gather(producer.redis.ping(), consumer.redis.ping())
-        (start, published), (seen, end) = await asyncio.gather(
-            produce(producer, stream, trajectories, cfg.batch),
-            consume(consumer, stream, len(trajectories), cfg),
-        )
-    finally:
-        await asyncio.gather(producer.close(), consumer.close())
-    return Pipeline(start, published, end, seen)
 
 
 def _side(role: str, url: str, conn: Connection, body: Callable[[Bus], Awaitable[object]]) -> None:
@@ -344,49 +323,6 @@ async def _reset(url: str, *streams: str, group_on: str | None = None) -> None:
         await client.aclose()
 
 
-# -- CPU accounting -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CpuSample:
-    """CPU seconds so far: the whole machine's, ours (with reaped children) and the Redis server's."""
-
-    wall: float
-    machine: float
-    own: float
-    server: float
-
-    @classmethod
-    def now(cls, url: str) -> CpuSample:
-        times = psutil.Process().cpu_times()
-        own = times.user + times.system + times.children_user + times.children_system
-        server = 0.0
-        if urlparse(url).hostname in LOOPBACK:  # a remote server's CPU is not on this machine anyway
-            client = redis.Redis.from_url(url)
-            try:
-                info = client.info("cpu")
-            finally:
-                client.close()
-            server = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-        return cls(time.perf_counter(), _machine_busy_s(), own, server)
-
-    def other_cores_since(self, before: CpuSample) -> float:
-        """Average cores that other processes kept busy between ``before`` and this sample."""
-        busy = self.machine - before.machine
-        ours = (self.own - before.own) + (self.server - before.server)
-        return max(0.0, busy - ours) / (self.wall - before.wall)
-
-
-def _machine_busy_s() -> float:
-    """Non-idle CPU seconds of the whole machine since boot (nan where /proc/stat is missing)."""
-    try:
-        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    except OSError:
-        return math.nan
-    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, first[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 # -- one repetition ---------------------------------------------------------------------
 
 
@@ -399,10 +335,7 @@ def run_once(
     asyncio.run(_reset(url, bus_stream, raw_stream, group_on=bus_stream))
     try:
         before = CpuSample.now(url)
-        if cfg.mode == "procs":
-            result = run_procs(url, bus_stream, trajectories, cfg)
-        else:
-            result = asyncio.run(run_inproc(url, bus_stream, trajectories, cfg))
+        result = run_procs(url, bus_stream, trajectories, cfg)
         bus_other = CpuSample.now(url).other_cores_since(before)
         asyncio.run(verify(url, bus_stream, [t.id for t in trajectories], result.seen))
         asyncio.run(_reset(url, bus_stream))  # the baseline reuses the server memory the bus run used
@@ -416,46 +349,6 @@ def run_once(
 
 
 # -- reporting ----------------------------------------------------------------------
-
-
-def machine(url: str, *, embedded: bool) -> dict[str, str]:
-    """What the figures depend on: CPU, memory, Python, the Redis server and its client."""
-    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?"
-    mem_kb = int((_proc_field("/proc/meminfo", "MemTotal") or "0 kB").split()[0])
-    client = redis.Redis.from_url(url)
-    try:
-        info = {**client.info("server"), **client.info("memory"), **client.info("persistence")}
-    finally:
-        client.close()
-    where = "embedded" if embedded else f"at {urlparse(url).hostname}:{urlparse(url).port}"
-    allocator = info.get("mem_allocator", "?")
-    aof = "append-only file on" if int(info.get("aof_enabled", 0)) else "no append-only file"
-    uses_hiredis = "Hiredis" in redis.asyncio.connection.DefaultParser.__name__
-    hiredis = f"in use (hiredis {_version('hiredis')})" if uses_hiredis else "NOT in use"
-    return {
-        "cpu": f"{model}, {os.cpu_count()} cores",
-        "ram": f"{mem_kb / 2**20:.1f} GiB",
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "redis-server": f"{info['redis_version']}, {where}, {aof}, allocator {allocator}",
-        "redis-py": f"{redis.__version__}, hiredis parser {hiredis}",
-        "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()} backend)",
-    }
-
-
-def _proc_field(path: str, key: str) -> str:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == key), "")
-
-
-def _version(module: str) -> str:
-    try:
-        return str(__import__(module).__version__)
-    except (ImportError, AttributeError):
-        return "?"
 
 
 def summary(runs: Sequence[Run]) -> tuple[float, float]:
@@ -474,7 +367,7 @@ def section(
         f"Trajectories of {cfg.tokens:,} response tokens (plus {cfg.prompt_tokens} prompt tokens)"
         " through the bus on one Redis server:",
         *DESCRIPTION.strip("\n").splitlines(),
-        f"Producer and consumer: {MODES[cfg.mode]} (`--mode {cfg.mode}`).",
+        f"Producer and consumer: {PRODUCER_AND_CONSUMER}.",
         "",
         f"    {command}",
         "",
@@ -502,59 +395,13 @@ def section(
     return "\n".join(head + table) + "\n"
 
 
-def update_results(path: Path, text: str) -> None:
-    """Replace this benchmark's section of ``path`` (or append it), leaving the other sections,
-    and this section's hand-written notes (from NOTES_MARKER on), alone."""
-    old = path.read_text() if path.exists() else RESULTS_HEADER
-    lines = old.splitlines()
-    if SECTION_TITLE not in lines:
-        path.write_text(old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n")
-        return
-    begin = lines.index(SECTION_TITLE)
-    end = next((i for i in range(begin + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    notes = next((lines[i:end] for i in range(begin, end) if lines[i] == NOTES_MARKER), [])
-    parts = [lines[:begin], text.rstrip("\n").splitlines(), notes, lines[end:]]
-    path.write_text("\n\n".join("\n".join(p).strip("\n") for p in parts if p) + "\n")
-
-
-def _redact(argv: Sequence[str]) -> list[str]:
-    """The command line without the Redis URL's value, which may hold a password."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg == "--redis-url" and i + 1 < len(out):
-            out[i + 1] = "URL"
-        elif arg.startswith("--redis-url="):
-            out[i] = "--redis-url=URL"
-    return out
-
-
 # -- main ------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--trajectories", type=int, default=20_000, help="per run (%(default)s)")
-    parser.add_argument(
-        "--tokens", type=int, default=1_000, help="response tokens per trajectory (%(default)s)"
-    )
-    parser.add_argument(
-        "--prompt-tokens", type=int, default=128, help="prompt tokens per trajectory (%(default)s)"
-    )
-    parser.add_argument(
-        "--batch", type=int, default=100, help="publish_many (and raw pipeline) batch size (%(default)s)"
-    )
-    parser.add_argument("--count", type=int, default=100, help="XREADGROUP COUNT (%(default)s)")
-    parser.add_argument("--block-ms", type=int, default=1000, help="XREADGROUP BLOCK (%(default)s)")
-    parser.add_argument(
-        "--mode",
-        choices=sorted(MODES),
-        default="procs",
-        help="procs (default): producer and consumer as two processes; inproc: as two coroutines",
-    )
-    parser.add_argument(
-        "--repeat", type=int, default=3, help="measured runs, each on fresh streams (%(default)s)"
-    )
-    parser.add_argument("--warmup", type=int, default=1, help="runs before those, not reported (%(default)s)")
+    for flag, (default, _, text) in INT_OPTIONS.items():
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (%(default)s)")
     parser.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL", ""),
@@ -568,10 +415,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-results", action="store_true", help="leave the results file alone")
     args = parser.parse_args(argv)
-    if min(args.trajectories, args.tokens, args.batch, args.count, args.block_ms, args.repeat) < 1:
-        parser.error("--trajectories, --tokens, --batch, --count, --block-ms and --repeat must be >= 1")
-    if min(args.prompt_tokens, args.warmup) < 0:
-        parser.error("--prompt-tokens and --warmup must be >= 0")
+    for flag, (_, minimum, _) in INT_OPTIONS.items():
+        if getattr(args, flag[2:].replace("-", "_")) < minimum:
+            parser.error(f"{flag} must be >= {minimum}")
     return args
 
 
@@ -582,8 +428,7 @@ def measure(url: str, cfg: Config) -> tuple[list[int], list[Run]]:
     sizes = [len(p) for p in payloads]
     print(
         f"{cfg.trajectories:,} trajectories of {cfg.tokens:,} response + {cfg.prompt_tokens} prompt tokens,"
-        f" {statistics.mean(sizes):,.0f} bytes serialized; batch {cfg.batch}, count {cfg.count},"
-        f" mode {cfg.mode}"
+        f" {statistics.mean(sizes):,.0f} bytes serialized; batch {cfg.batch}, count {cfg.count}"
     )
     runs: list[Run] = []
     for k in range(1 - cfg.warmup, cfg.repeat + 1):
@@ -617,9 +462,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             server.stop()
     if not args.no_results:
         command = shlex.join(
-            [".venv/bin/python", "bench/bus.py", *_redact(sys.argv[1:] if argv is None else argv)]
+            [".venv/bin/python", "bench/bus.py", *redact(sys.argv[1:] if argv is None else argv)]
         )
-        update_results(args.results, section(cfg, command, host, sizes, runs))
+        update_results(args.results, SECTION_TITLE, section(cfg, command, host, sizes, runs), NOTES_MARKER)
         print(f"updated {args.results}")
     bus_rate, raw_rate = summary(runs)
     print(f"bus: {round(bus_rate)} trajectories/s (raw xadd {round(raw_rate)}/s)")

@@ -55,3 +55,14 @@ def python_env() -> dict[str, str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; the default comes back for the other tests."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

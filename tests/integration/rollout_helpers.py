@@ -1,13 +1,11 @@
-"""Helpers for engine and router tests: tiny checkpoints, running jobs, in-process servers."""
+"""Helpers for engine, router and trainer tests: tiny models, checkpoints, running jobs, engines."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import redis.asyncio as aioredis
@@ -21,22 +19,24 @@ from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.config import EngineSettings
 from services.rollout.server import EngineApp
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
+from tests.helpers import eventually, serve
 
 VOCAB = 100
 EOS = 2
-T = TypeVar("T")
 
 
-def tiny_llama(seed: int, *, layers: int = 2, max_positions: int = 256) -> LlamaForCausalLM:
-    """A random Llama small enough to run a hundred steps in a blink (fp32)."""
+def tiny_llama(
+    seed: int, *, layers: int = 2, heads: int = 4, max_positions: int = 256, vocab: int = VOCAB
+) -> LlamaForCausalLM:
+    """A random Llama (hidden 32) small enough to run a hundred steps in a blink (fp32)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=1,
@@ -80,18 +80,6 @@ async def publish_checkpoint(
     handle = handle_for(job_id, path, version, sha256=sha256)
     await bus.publish(JobStreams(job_id).checkpoints, handle)
     return handle
-
-
-async def eventually(probe: Callable[[], Awaitable[T]], *, timeout_s: float = 10.0, what: str = "") -> T:
-    """Poll ``probe`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or probe}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -156,12 +144,9 @@ async def start_engine(redis_url: str, **overrides: object) -> RunningEngine:
     settings = EngineSettings(**values)  # type: ignore[arg-type]
     redis = connect(redis_url)
     app = EngineApp(settings, redis)
-    server = grpc.aio.server()
-    app.register(server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, address = await serve(app.register, port)
     stop = asyncio.Event()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(address)
     return RunningEngine(
         app=app,
         server=server,
@@ -169,7 +154,7 @@ async def start_engine(redis_url: str, **overrides: object) -> RunningEngine:
         stub=rollout_pb2_grpc.RolloutStub(channel),
         stop_event=stop,
         background=asyncio.create_task(app.run(stop)),
-        address=f"127.0.0.1:{port}",
+        address=address,
         redis=redis,
     )
 

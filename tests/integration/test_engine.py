@@ -4,7 +4,7 @@ stream, logprobs against a full forward pass, sampling controls, batching, abort
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,10 +16,10 @@ from services.common.bus import DATA_FIELD, Bus
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.registry import EngineRegistry
 from services.common.streams import JobStreams
+from tests.helpers import eventually
 from tests.integration.rollout_helpers import (
     EOS,
     RunningEngine,
-    eventually,
     generate_request,
     handle_for,
     publish_checkpoint,
@@ -37,13 +37,7 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; restore the default for other tests."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from services.common.pb import reward_pb2, reward_pb2_grpc
 from services.reward.config import RewardSettings
 from services.reward.server import SERVICE_NAME, RewardServicer, register
 from services.reward.verifiers import VERIFIERS, VerifierResult
+from tests.helpers import serve
 from tests.integration.test_services import start, stop
 
 DEADLINE_S = 10.0
@@ -45,12 +46,10 @@ TEST_VERIFIERS = {**VERIFIERS, "sleepy": sleepy, "broken": broken, "nan": not_a_
 @pytest.fixture
 async def stub() -> AsyncIterator[reward_pb2_grpc.RewardStub]:
     settings = RewardSettings(port=0, score_timeout_s=TIMEOUT_S, score_workers=8)
-    server = grpc.aio.server()
-    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(settings, TEST_VERIFIERS), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    servicer = RewardServicer(settings, TEST_VERIFIERS)
+    server, address = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(servicer, s))
     try:
-        async with channel(f"127.0.0.1:{port}") as client:
+        async with channel(address) as client:
             yield reward_pb2_grpc.RewardStub(client)
     finally:
         await server.stop(0)

@@ -7,13 +7,12 @@ import asyncio
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from services.common.bus import Bus, connect
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
@@ -21,9 +20,9 @@ from services.common.redis_server import free_port
 from services.common.registry import EngineRegistry
 from services.router.config import RouterSettings
 from services.router.server import Router
+from tests.helpers import eventually, serve
 from tests.integration.rollout_helpers import (
     RunningEngine,
-    eventually,
     generate_request,
     handle_for,
     publish_checkpoint,
@@ -37,12 +36,7 @@ JOB = "job-router"
 PROMPT = [1, 5, 6, 7]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
@@ -83,12 +77,9 @@ async def start_router(redis_url: str) -> RunningRouter:
     )
     redis = connect(redis_url)  # its own client, as in its own process
     router = Router(settings, EngineRegistry(redis))
-    server = grpc.aio.server()
-    router.register(server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, address = await serve(router.register, port)
     stop = asyncio.Event()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(address)
     return RunningRouter(
         router,
         server,

@@ -10,7 +10,6 @@ logprobs and policy versions the test can check.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from services.common.streams import JobStreams
 from services.common.tasks import encode_prompt
 from services.rollout.config import RunnerSettings
 from services.rollout.runner import GROUP, Runner
+from tests.helpers import eventually, serve, stream_messages
 
 ENGINE_ID = "fake-engine-1"
 EOS = 2
@@ -125,14 +125,6 @@ class FakeReward(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreBatchResponse(results=results)
 
 
-async def start_server(add: Callable[[grpc.aio.Server], None], port: int = 0) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    add(server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, f"127.0.0.1:{bound}"
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint-like directory holding the builtin character tokenizer."""
@@ -153,7 +145,7 @@ def tokenizer(tokenizer_dir: Path) -> Any:
 @pytest.fixture
 async def router(tokenizer: Any) -> AsyncIterator[tuple[FakeRouter, str]]:
     fake = FakeRouter(tokenizer)
-    server, address = await start_server(lambda s: router_pb2_grpc.add_RouterServicer_to_server(fake, s))
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(fake, s))
     yield fake, address
     await server.stop(None)
 
@@ -161,7 +153,7 @@ async def router(tokenizer: Any) -> AsyncIterator[tuple[FakeRouter, str]]:
 @pytest.fixture
 async def reward() -> AsyncIterator[tuple[FakeReward, str]]:
     fake = FakeReward()
-    server, address = await start_server(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s))
+    server, address = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s))
     yield fake, address
     await server.stop(None)
 
@@ -172,17 +164,8 @@ def checkpoint(job_id: str, version: int, directory: Path) -> common_pb2.Checkpo
     )
 
 
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def trajectories(bus: Bus, job_id: str) -> list[common_pb2.Trajectory]:
-    entries = await bus.redis.xrange(JobStreams(job_id).trajectories)
-    return [common_pb2.Trajectory.FromString(fields[DATA_FIELD]) for _, fields in entries]
+    return await stream_messages(bus, JobStreams(job_id).trajectories, common_pb2.Trajectory)
 
 
 class RunningJob:
@@ -253,8 +236,8 @@ async def test_one_trajectory_per_sample_with_engine_data_and_reward(
     await bus.publish(job.streams.prompts, task)
     await runner_for(router_address=router_address, reward_address=reward[1])
 
-    await wait_for(lambda: _count(bus, job.job_id, 4), what="4 trajectories")
-    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    await eventually(lambda: _count(bus, job.job_id, 4), what="4 trajectories")
+    await eventually(lambda: _is_zero(job.pending()), what="the ack")
     got = await trajectories(bus, job.job_id)
     assert [t.id for t in got] == [f"{task.prompt_id}:{i}" for i in range(4)], (
         "sample order, ids prompt:index"
@@ -299,11 +282,11 @@ async def test_acks_only_after_the_group_is_scored_and_published(
     await bus.publish(job.streams.prompts, job.task(0, "12+34=", "64"))
     await runner_for(router_address=router[1], reward_address=reward_address)
 
-    await wait_for(lambda: _is_true(len(router[0].requests) == 1), what="the Generate call")
+    await eventually(lambda: _is_true(len(router[0].requests) == 1), what="the Generate call")
     await asyncio.sleep(0.3)
     assert await job.pending() == 1 and await trajectories(bus, job.job_id) == []
     fake_reward.gate.set()
-    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    await eventually(lambda: _is_zero(job.pending()), what="the ack")
     assert len(await trajectories(bus, job.job_id)) == 4
 
 
@@ -324,20 +307,18 @@ async def test_a_task_stays_pending_while_the_reward_service_is_down_and_is_retr
         router_address=router[1], reward_address=f"127.0.0.1:{reward_port}", retry_s=0.2, reclaim_idle_ms=1000
     )
 
-    await wait_for(lambda: _is_true(len(router[0].requests) >= 1), what="the Generate call")
+    await eventually(lambda: _is_true(len(router[0].requests) >= 1), what="the Generate call")
     await asyncio.sleep(0.5)
     assert await job.pending() == 1, "a failed task is left pending, never acked"
     assert await trajectories(bus, job.job_id) == []
     assert await bus.redis.xlen(job.streams.dead) == 0
 
     fake = FakeReward()
-    server, _ = await start_server(
-        lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s), reward_port
-    )
+    server, _ = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(fake, s), reward_port)
     try:
         # Reclaimed once it has been idle for reclaim_idle_ms (a failed task is not kept alive).
-        await wait_for(lambda: _count(bus, job.job_id, 4), timeout_s=15, what="the retried group")
-        await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+        await eventually(lambda: _count(bus, job.job_id, 4), timeout_s=15, what="the retried group")
+        await eventually(lambda: _is_zero(job.pending()), what="the ack")
     finally:
         await server.stop(None)
     assert len(router[0].requests) >= 2, "generated again on the retry"
@@ -355,8 +336,8 @@ async def test_a_task_the_engine_refuses_is_dead_lettered(
     await bus.publish_many(job.streams.prompts, [job.task(0, "bad+1=", "1"), job.task(1, "10+10=", "02")])
     await runner_for(router_address=router[1], reward_address=reward[1])
 
-    await wait_for(lambda: _count(bus, job.job_id, 4), what="the good task's trajectories")
-    await wait_for(lambda: _is_zero(job.pending()), what="both tasks to leave the pending list")
+    await eventually(lambda: _count(bus, job.job_id, 4), what="the good task's trajectories")
+    await eventually(lambda: _is_zero(job.pending()), what="both tasks to leave the pending list")
     [entry] = await bus.redis.xrange(job.streams.dead)
     letter = common_pb2.DeadLetter.FromString(entry[1][DATA_FIELD])
     assert "INVALID_ARGUMENT" in letter.reason and "out of vocabulary" in letter.reason
@@ -381,7 +362,7 @@ async def test_groups_run_concurrently_up_to_the_bound_and_only_for_running_jobs
     await bus.publish_many(job.streams.prompts, [job.task(i, f"{10 + i}+20=", "0") for i in range(6)])
     await runner_for(router_address=router_address, reward_address=reward[1], max_concurrent_groups=2)
 
-    await wait_for(lambda: _count(bus, job.job_id, 24), what="24 trajectories")
+    await eventually(lambda: _count(bus, job.job_id, 24), what="24 trajectories")
     assert fake_router.max_in_flight == 2
     assert await bus.redis.xlen(JobStreams(queued_id).trajectories) == 0, "a queued job's prompts wait"
     assert await bus.redis.xinfo_groups(JobStreams(queued_id).prompts) == [], "nobody read them"
@@ -415,8 +396,8 @@ async def test_a_long_rollout_is_kept_alive_and_not_handed_out_twice(
     await runner_for(router_address=router_address, reward_address=reward[1], reclaim_idle_ms=300)
     await runner_for(router_address=router_address, reward_address=reward[1], reclaim_idle_ms=300)
 
-    await wait_for(lambda: _count(bus, job.job_id, 4), what="the group")
-    await wait_for(lambda: _is_zero(job.pending()), what="the ack")
+    await eventually(lambda: _count(bus, job.job_id, 4), what="the group")
+    await eventually(lambda: _is_zero(job.pending()), what="the ack")
     await asyncio.sleep(0.5)
     assert len(fake_router.requests) == 1, "renewed while in flight, so never reclaimed"
     assert await bus.redis.xlen(job.streams.trajectories) == 4

@@ -1,6 +1,6 @@
-"""The trainer: its group collector and checkpoint store, the DeepSpeed policy, and whole jobs
-through a real Redis (v0, steps, acks after checkpoints, idempotency, staleness, metrics,
-status, resume, failures, the Trainer gRPC service)."""
+"""The trainer: the DeepSpeed policy, and whole jobs through a real Redis (v0, steps, acks after
+checkpoints, idempotency, staleness, metrics, status, resume, failures, the Trainer gRPC service).
+The collector, the checkpoint store and the schedule are in tests/unit/test_trainer_parts.py."""
 
 from __future__ import annotations
 
@@ -11,39 +11,31 @@ import hashlib
 import json
 import random
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 import torch
-from google.protobuf.message import Message
 from redis.exceptions import ResponseError
-from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.bus import DATA_FIELD, Bus, Delivery
-from services.common.config import TrainerConfig, parse_job_spec
+from services.common.basemodel import build_char_tokenizer
+from services.common.bus import Bus
+from services.common.config import parse_job_spec
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.streams import JOBS, JobStreams, job_key
 from services.trainer.batching import TrainSample
-from services.trainer.checkpoints import TRAINED_IDS_FILE, CheckpointStore
-from services.trainer.collector import GroupCollector, Outcome
+from services.trainer.checkpoints import TRAINED_IDS_FILE
 from services.trainer.config import TrainerSettings
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
-from services.trainer.policy import Policy, init_distributed, learning_rate_schedule
+from services.trainer.policy import Policy, init_distributed
 from services.trainer.server import registrar
 from services.trainer.worker import TrainerWorker
+from tests.helpers import eventually, serve, stream_messages
+from tests.integration.rollout_helpers import tiny_llama
 
-M = TypeVar("M", bound=Message)
 FAST_SETTINGS: dict[str, Any] = {
     "port": 0,
     "poll_block_ms": 50,
@@ -58,43 +50,18 @@ DEADLINE_S = 90.0
 # -- a tiny model -------------------------------------------------------------------------
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab |= {chr(code): 4 + i for i, code in enumerate(range(32, 127))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama (hidden 32) with a 99-token character vocabulary."""
     directory = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = char_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer = build_char_tokenizer()
+    tiny_llama(0, heads=2, max_positions=64, vocab=len(tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
 
 def encode(text: str) -> list[int]:
-    return [1, *char_tokenizer()(text, add_special_tokens=False).input_ids]
+    return [1, *build_char_tokenizer()(text, add_special_tokens=False).input_ids]
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,90 +93,6 @@ def job_spec(model_dir: Path, runs: Path, **trainer: Any) -> dict[str, Any]:
             **trainer,
         },
     }
-
-
-# -- the collector and the checkpoint store (no Redis, no model) -----------------------------
-
-
-def trajectory(group: str, index: int, *, version: int = 0, reward: float = 0.0, **fields: Any) -> Any:
-    values: dict[str, Any] = {
-        "id": f"{group}:{index}",
-        "job_id": "job",
-        "prompt_id": group,
-        "group_id": group,
-        "sample_index": index,
-        "group_size": 2,
-        "prompt_token_ids": [1, 20, 21],
-        "response_token_ids": [22, 2],
-        "behaviour_logprobs": [-1.0, -2.0],
-        "loss_mask": [True, True],
-        "policy_versions": [version, version],
-        "reward": reward,
-    }
-    return common_pb2.Trajectory(**(values | fields))
-
-
-def delivered(message: common_pb2.Trajectory, entry: int) -> Delivery[common_pb2.Trajectory]:
-    return Delivery("stream", f"{entry}-0", message, 1)
-
-
-def test_collector_completes_groups_and_skips_what_it_has_seen() -> None:
-    trained: set[str] = {"old:0"}
-    collector = GroupCollector("job", 2, trained)
-    assert collector.add(delivered(trajectory("old", 0), 1)) == (Outcome.DONE, "")
-    assert collector.add(delivered(trajectory("a", 0), 2))[0] is Outcome.BUFFERED
-    assert collector.add(delivered(trajectory("a", 0), 3))[0] is Outcome.REDELIVERED
-    assert collector.complete == 0
-    assert collector.add(delivered(trajectory("a", 1), 4))[0] is Outcome.BUFFERED
-    assert collector.complete == 1
-    assert sorted(collector.buffered_entry_ids()) == ["2-0", "3-0", "4-0"]
-    [group] = collector.take(1)
-    assert [t.id for t in group.ordered()] == ["a:0", "a:1"]
-    assert len(group.deliveries) == 3
-    late = collector.add(delivered(trajectory("a", 1, id="a:9"), 5))
-    assert late[0] is Outcome.REJECTED and "already had 2 members" in late[1]
-    assert collector.add(delivered(trajectory("a", 1), 6))[0] is Outcome.DONE
-
-
-def test_collector_drops_stale_and_invalid_groups() -> None:
-    collector = GroupCollector("job", 2, set())
-    for index in range(2):
-        collector.add(delivered(trajectory("stale", index, version=3), index))
-        collector.add(delivered(trajectory("fresh", index, version=4), 10 + index))
-    collector.add(delivered(trajectory("bad", 0, reward_error="verifier timed out"), 20))
-    collector.add(delivered(trajectory("bad", 1, loss_mask=[True]), 21))
-    unusable = collector.discard_unusable(min_version=4)
-    assert [g.group_id for g in unusable.stale] == ["stale"]
-    [bad] = unusable.invalid
-    assert "scoring failed: verifier timed out" in bad.problems[0]
-    assert "2 response tokens but loss_mask has 1" in bad.problems[1]
-    assert [g.group_id for g in collector.take(5)] == ["fresh"]
-    assert collector.add(delivered(trajectory("", 0, id="x"), 30))[0] is Outcome.REJECTED
-
-
-def test_checkpoint_store_writes_atomically_and_prunes(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, "job", keep=2)
-
-    def write(directory: Path) -> None:
-        save_file({"w": torch.arange(4.0)}, str(directory / "model.safetensors"))
-
-    for version in range(5):
-        saved = store.save(version, version, write, {f"t{version}"})
-        assert saved.directory == tmp_path.resolve() / "job" / f"v{version:06d}"
-    with pytest.raises(FileExistsError):
-        store.save(4, 4, write, [])
-    (store.job_dir / ".v000005.tmp-1").mkdir()
-    assert store.prune() == [1, 2]
-    assert store.versions() == [0, 3, 4]
-    latest = store.latest()
-    assert latest is not None and latest.handle.version == 4 and latest.trained_ids == {"t4"}
-    digest = hashlib.sha256((latest.directory / "model.safetensors").read_bytes()).hexdigest()
-    assert latest.handle.sha256 == digest
-    store.remove_partial()
-    assert not any(p.name.startswith(".") for p in store.job_dir.iterdir())
-    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
-        store.save(9, 9, lambda directory: None, [])
-    assert store.versions() == [0, 3, 4]
 
 
 # -- the policy (DeepSpeed, no Redis) --------------------------------------------------------
@@ -270,37 +153,22 @@ def test_packing_into_micro_batches_does_not_change_the_step(model_dir: Path) ->
 # -- whole jobs through Redis --------------------------------------------------------------
 
 
-async def eventually(check: Callable[[], Awaitable[Any]], what: str, timeout: float = DEADLINE_S) -> Any:
-    """The first truthy result of ``check``, polled until the deadline."""
-    async with asyncio.timeout(timeout):
-        while True:
-            result = await check()
-            if result:
-                return result
-            await asyncio.sleep(0.02)
-    raise AssertionError(what)  # pragma: no cover
-
-
-async def entries(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
-    return [message_type.FromString(fields[DATA_FIELD]) for _, fields in await bus.redis.xrange(stream)]
-
-
 async def checkpoint(bus: Bus, job_id: str, version: int) -> common_pb2.CheckpointHandle:
     async def newest() -> common_pb2.CheckpointHandle | None:
         handle = await bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
         return handle if handle is not None and handle.version >= version else None
 
-    return await eventually(newest, f"checkpoint v{version} of {job_id}")
+    return await eventually(newest, f"checkpoint v{version} of {job_id}", timeout_s=DEADLINE_S)
 
 
 async def final_status(bus: Bus, job_id: str, nth: int = 1) -> common_pb2.JobStatus:
     """The job's ``nth`` status report, once it is there."""
 
     async def status() -> common_pb2.JobStatus | None:
-        found = await entries(bus, JobStreams(job_id).status, common_pb2.JobStatus)
+        found = await stream_messages(bus, JobStreams(job_id).status, common_pb2.JobStatus)
         return found[nth - 1] if len(found) >= nth else None
 
-    return await eventually(status, f"status of {job_id}")
+    return await eventually(status, f"status of {job_id}", timeout_s=DEADLINE_S)
 
 
 async def submit(bus: Bus, job_id: str, spec: dict[str, Any] | str) -> None:
@@ -315,14 +183,11 @@ async def trainer(
     """A trainer worker in this process, with its gRPC service on a free port."""
     settings = TrainerSettings(**(FAST_SETTINGS | overrides))
     worker = TrainerWorker(bus, settings, CPU)
-    server = grpc.aio.server()
-    registrar(worker)(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, address = await serve(registrar(worker))
     shutdown = asyncio.Event()
     task = asyncio.create_task(worker.run(shutdown))
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             yield worker, trainer_pb2_grpc.TrainerStub(channel)
     finally:
         shutdown.set()
@@ -396,9 +261,12 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 async def metrics_of(bus: Bus, job_id: str) -> dict[int, dict[str, float]]:
-    found = await entries(bus, JobStreams(job_id).metrics, common_pb2.Metric)
+    found = await stream_messages(bus, JobStreams(job_id).metrics, common_pb2.Metric)
     assert all(m.source == "trainer" and m.policy_version == m.step for m in found)
-    return {m.step: dict(m.values) for m in found}
+    merged: dict[int, dict[str, float]] = {}
+    for metric in found:  # a step's own Metric, and any drop report made while at that version
+        merged.setdefault(metric.step, {}).update(metric.values)
+    return merged
 
 
 async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
@@ -444,7 +312,7 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         assert metrics[1]["clip_fraction"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-6
         assert metrics[1]["reward_mean"] == 0.5 and metrics[1]["reward_std"] == 0.5
         assert metrics[1]["response_tokens"] == sum(len(t.response_token_ids) for t in step1)
-        assert metrics[2]["stale_dropped"] == 1
+        assert metrics[1]["stale_dropped"] == 1  # reported at once, while still at version 1
         assert metrics[1]["duplicates_skipped"] + metrics[2]["duplicates_skipped"] == 2
         assert all(m["grad_norm"] > 0 and m["tokens_per_s"] > 0 for m in metrics.values())
 
@@ -466,7 +334,9 @@ async def resume_for_one_more_step(
     status = await final_status(bus, job_id, nth=2)
     assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, 3)
     assert (await metrics_of(bus, job_id))[3]["duplicates_skipped"] == 1
-    versions = [h.version for h in await entries(bus, streams.checkpoints, common_pb2.CheckpointHandle)]
+    versions = [
+        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    ]
     assert versions == [0, 1, 2, 3]  # the resume did not publish anything again
 
 
@@ -526,7 +396,11 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
         v1 = Path((await checkpoint(bus, job_id, 1)).uri.removeprefix("file://"))
         # Half of step 2 arrives; the victim holds it unacked when it dies.
         await bus.publish_many(streams.trajectories, make_group(job_id, "g2", (1.0, 0.0), 1, v1))
-        await eventually(lambda: bus.pending_count(streams.trajectories, TRAJECTORY_GROUP), "g2 taken")
+        await eventually(
+            lambda: bus.pending_count(streams.trajectories, TRAJECTORY_GROUP),
+            "g2 taken",
+            timeout_s=DEADLINE_S,
+        )
     finally:
         victim.kill()
         output, _ = victim.communicate(timeout=30)
@@ -538,7 +412,9 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
         assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
     ids = set(json.loads((runs / job_id / "v000002" / TRAINED_IDS_FILE).read_text()))
     assert ids == {f"g{g}:{i}" for g in range(4) for i in range(2)}
-    versions = [h.version for h in await entries(bus, streams.checkpoints, common_pb2.CheckpointHandle)]
+    versions = [
+        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    ]
     assert versions == [0, 1, 2]
     assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
@@ -552,10 +428,10 @@ async def test_jobs_over_in_the_job_store_are_left_alone(bus: Bus, model_dir: Pa
         await submit(bus, "live", job_spec(model_dir, tmp_path))
         await checkpoint(bus, "live", 0)  # "done" was skipped: "live" is trained
         await bus.redis.hset(job_key("live"), "state", cancelled)  # the api cancels it
-        await eventually(lambda: idle(stub), "the trainer lets the cancelled job go")
+        await eventually(lambda: idle(stub), "the trainer lets the cancelled job go", timeout_s=DEADLINE_S)
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
     for job_id in ("done", "live"):
-        assert await entries(bus, JobStreams(job_id).status, common_pb2.JobStatus) == []
+        assert await stream_messages(bus, JobStreams(job_id).status, common_pb2.JobStatus) == []
     assert await bus.latest(JobStreams("done").checkpoints, common_pb2.CheckpointHandle) is None
 
 
@@ -568,18 +444,12 @@ async def test_a_trainer_whose_job_was_taken_over_lets_it_go(
         [row] = await bus.redis.xpending_range(JOBS, JOB_GROUP, "-", "+", 10)
         assert row["consumer"].decode() == worker.name
         await bus.redis.xclaim(JOBS, JOB_GROUP, "other-trainer", 0, [row["message_id"]], justid=True)
-        await eventually(lambda: idle(stub), "the trainer lets the job go")
+        await eventually(lambda: idle(stub), "the trainer lets the job go", timeout_s=DEADLINE_S)
         [row] = await bus.redis.xpending_range(JOBS, JOB_GROUP, "-", "+", 10)
         assert row["consumer"] == b"other-trainer"  # still pending, for its new owner
-    assert await entries(bus, JobStreams("taken").status, common_pb2.JobStatus) == []
+    assert await stream_messages(bus, JobStreams("taken").status, common_pb2.JobStatus) == []
 
 
 async def idle(stub: trainer_pb2_grpc.TrainerStub) -> bool:
     status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
     return status.state == trainer_pb2.TRAINER_STATE_IDLE and not status.job_id
-
-
-def test_a_resumed_schedule_carries_on_where_it_was() -> None:
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    config = TrainerConfig(steps=10, learning_rate=1.0, warmup_steps=2, scheduler="linear")
-    assert learning_rate_schedule(optimizer, config, 3).get_last_lr() == [pytest.approx(7 / 8)]

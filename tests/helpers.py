@@ -1,0 +1,45 @@
+"""Helpers the tests share: an in-process gRPC server on a loopback port, polling until something
+holds, and the messages on a stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from services.common.bus import DATA_FIELD, Bus
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+
+async def serve(register: Callable[[grpc.aio.Server], object], port: int = 0) -> tuple[grpc.aio.Server, str]:
+    """A started gRPC server holding what ``register`` adds, on 127.0.0.1:``port`` (0: a free
+    port), and its address."""
+    server = grpc.aio.server()
+    register(server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"
+
+
+async def eventually(probe: Callable[[], Awaitable[T]], what: str = "", timeout_s: float = 10.0) -> T:
+    """The first truthy result of ``probe``, polled every 20 ms; the test fails after ``timeout_s``."""
+    timer = asyncio.timeout(timeout_s)
+    try:
+        async with timer:
+            while not (value := await probe()):
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what or probe}") from None
+    return value
+
+
+async def stream_messages(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
+    """Every message on ``stream``, oldest first."""
+    return [message_type.FromString(fields[DATA_FIELD]) for _, fields in await bus.redis.xrange(stream)]
