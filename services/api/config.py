@@ -7,19 +7,15 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from services.common.settings import RolloutClientSettings
 
 
-class ApiSettings(ServiceSettings):
+class ApiSettings(RolloutClientSettings):
     model_config = SettingsConfigDict(env_prefix="VERST_API_")
     service_name: ClassVar[str] = "api"
 
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port of the REST api; 0 picks a free one."""
-    router_address: str = Field("127.0.0.1:50051", min_length=3)
-    """host:port of the Router the controller evaluates through."""
-    reward_address: str = Field("127.0.0.1:50053", min_length=3)
-    """host:port of the Reward service for jobs whose spec names none."""
     controller: bool = True
     """Drive jobs from this process (off for an api replica that only serves REST)."""
     poll_interval_s: float = Field(0.5, ge=0.05, le=60.0)

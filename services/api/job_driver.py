@@ -379,14 +379,8 @@ class JobDriver:
             return str(err)
         self._evaluated.add(result.version)
         self.ctl.metrics.evaluations.labels(outcome="ok").inc()
-        metric = common_pb2.Metric(
-            job_id=self.job_id,
-            step=result.version,
-            policy_version=result.version,
-            source="eval",
-            values=result.metric_values(),
+        await self.bus.publish_metric(
+            self.job_id, "eval", result.metric_values(), step=result.version, policy_version=result.version
         )
-        metric.time.GetCurrentTime()
-        await self.bus.publish(self.streams.metrics, metric)
         log.info("%s: eval of version %d: accuracy %.3f", self.job_id, result.version, result.accuracy)
         return ""

@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.pb import common_pb2
-from services.common.streams import dead_letter_stream
+from services.common.streams import JobStreams, dead_letter_stream
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,16 @@ class Bus:
         """Append one message; returns its entry id."""
         entry_id = await self.redis.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
         return entry_id.decode()
+
+    async def publish_metric(
+        self, job_id: str, source: str, values: dict[str, float], *, step: int, policy_version: int
+    ) -> str:
+        """Publish a time-stamped Metric on the job's metrics stream."""
+        metric = common_pb2.Metric(
+            job_id=job_id, step=step, policy_version=policy_version, source=source, values=values
+        )
+        metric.time.GetCurrentTime()
+        return await self.publish(JobStreams(job_id).metrics, metric)
 
     async def publish_many(
         self, stream: str, messages: Iterable[Message], *, maxlen: int | None = None

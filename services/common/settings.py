@@ -45,6 +45,16 @@ class ServiceSettings(BaseSettings):
         return f"{cls.model_config.get('env_prefix', '')}{field}".upper()
 
 
+class RolloutClientSettings(ServiceSettings):
+    """Settings of a process that generates through the router and scores through the reward
+    service (the runner, and the api's controller for evaluation)."""
+
+    router_address: str = Field("127.0.0.1:50051", min_length=3)
+    """host:port of the Router that generates the samples."""
+    reward_address: str = Field("127.0.0.1:50053", min_length=3)
+    """host:port of the Reward service for jobs whose spec names none."""
+
+
 def load_settings(cls: type[S]) -> S:
     """Read settings from the environment; on a bad value, exit naming the variable."""
     try:

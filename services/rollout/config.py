@@ -7,7 +7,7 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from services.common.settings import RolloutClientSettings, ServiceSettings
 
 
 class EngineSettings(ServiceSettings):
@@ -38,16 +38,12 @@ class EngineSettings(ServiceSettings):
     """Longest wait for the worker to take verified weights (it swaps models between batches)."""
 
 
-class RunnerSettings(ServiceSettings):
+class RunnerSettings(RolloutClientSettings):
     model_config = SettingsConfigDict(env_prefix="VERST_RUNNER_")
     service_name: ClassVar[str] = "rollout-runner"
 
     port: int = Field(50055, ge=0, le=65535)
     """Port of the runner's health service; 0 picks a free one."""
-    router_address: str = Field("127.0.0.1:50051", min_length=3)
-    """host:port of the Router that generates the samples."""
-    reward_address: str = Field("127.0.0.1:50053", min_length=3)
-    """host:port of the Reward service for jobs whose spec names none."""
     max_concurrent_groups: int = Field(32, ge=1, le=65_536)
     """PromptTasks (groups of n samples) in flight at once, over all jobs."""
     reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)

@@ -151,15 +151,9 @@ class WeightWatcher:
         values = {"weight_load_s": report.load_s}
         if report.latency_s is not None:
             values["weight_sync_latency_s"] = report.latency_s
-        metric = common_pb2.Metric(
-            job_id=handle.job_id,
-            step=handle.step,
-            policy_version=handle.version,
-            source="rollout",
-            values=values,
+        await self.bus.publish_metric(
+            handle.job_id, "rollout", values, step=handle.step, policy_version=handle.version
         )
-        metric.time.GetCurrentTime()
-        await self.bus.publish(JobStreams(handle.job_id).metrics, metric)
 
 
 class Heartbeat:

@@ -401,15 +401,7 @@ class JobRun:
             "tokens_per_s": stats.tokens / optimise_s if optimise_s > 0 else 0.0,
         }
         self.drops = DropCounts()
-        metric = common_pb2.Metric(
-            job_id=self.job_id,
-            step=self.version,
-            policy_version=self.version,
-            source="trainer",
-            values=values,
-        )
-        metric.time.GetCurrentTime()
-        await self.bus.publish(self.streams.metrics, metric)
+        await self._publish_trainer_metric(values)
         self.progress.consumed_trajectories += len(samples)
         self.progress.last_metrics = values
         log.info(
@@ -420,15 +412,12 @@ class JobRun:
 
     async def _report_drops(self, **counts: int) -> None:
         """A Metric of groups dropped just now, which the controller replaces."""
-        metric = common_pb2.Metric(
-            job_id=self.job_id,
-            step=self.version,
-            policy_version=self.version,
-            source="trainer",
-            values={name: float(count) for name, count in counts.items()},
+        await self._publish_trainer_metric({name: float(count) for name, count in counts.items()})
+
+    async def _publish_trainer_metric(self, values: dict[str, float]) -> None:
+        await self.bus.publish_metric(
+            self.job_id, "trainer", values, step=self.version, policy_version=self.version
         )
-        metric.time.GetCurrentTime()
-        await self.bus.publish(self.streams.metrics, metric)
 
     # -- keep-alive ------------------------------------------------------------------------
 
