@@ -339,7 +339,7 @@ class TorchEngine:
             mode = self.default_update_mode
         config = read_config(path)
         with self._cond:
-            same_architecture = self._loaded is not None and self._loaded.config == _comparable(config)
+            same_architecture = self._loaded is not None and self._loaded.config == config
         update = WeightUpdate(version=version, job_id=job_id, path=path, mode=mode)
         if same_architecture:
             update.state_dict = read_verified_state_dict(path, sha256)
@@ -349,7 +349,7 @@ class TorchEngine:
                 update.model = load_model(path, device=self.device, dtype=self.dtype)
             except (OSError, ValueError, RuntimeError, NotImplementedError) as err:
                 raise CheckpointError(f"cannot load a model from {path}: {err}") from err
-            update.model.config = _comparable(config)
+            update.model.config = config
         return update
 
     def _take_update(self, live: list[Row]) -> WeightUpdate | None:
@@ -494,8 +494,3 @@ class TorchEngine:
             request.on_completion(completion)
         except Exception:  # a closed event loop must not kill the worker
             log.exception("could not deliver a completion of request %s", request.request_id)
-
-
-def _comparable(config: dict[str, object]) -> dict[str, object]:
-    """A config without the fields that differ between saves of the same architecture."""
-    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}

@@ -74,11 +74,13 @@ def read_verified_state_dict(path: Path, expected_sha256: str) -> dict[str, torc
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """The checkpoint's config.json; two checkpoints with equal configs share an architecture."""
+    """The checkpoint's config.json without the fields that differ between saves of one
+    model; two checkpoints with equal configs share an architecture."""
     try:
-        return dict(json.loads((path / CONFIG_FILE).read_text()))
+        config = dict(json.loads((path / CONFIG_FILE).read_text()))
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"unreadable {path / CONFIG_FILE}: {err}") from err
+    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
 
 
 def copy_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
