@@ -36,6 +36,22 @@ class EngineSettings(ServiceSettings):
     """Torch intra-op CPU threads; 0 keeps torch's default. 1 is fastest for tiny models."""
     weight_load_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Longest wait for the worker to take verified weights (it swaps models between batches)."""
+    backend: str = Field("torch", pattern=r"^(torch|sglang)$")
+    """Generation backend: torch (in this process) or sglang (SGLang servers over HTTP; CUDA hosts)."""
+    sglang_urls: str = Field("", max_length=4000)
+    """sglang: comma-separated base URLs of running SGLang servers to attach to; empty: launch one."""
+    sglang_model_path: str = Field("", max_length=4096)
+    """sglang, launch: the HF model directory SGLang starts with (the base model of the jobs it serves)."""
+    sglang_port: int = Field(30000, ge=1, le=65535)
+    """sglang, launch: HTTP port of the launched SGLang server (bound to 127.0.0.1)."""
+    sglang_args: str = Field("", max_length=4000)
+    """sglang, launch: extra sglang.launch_server flags, split like a shell (--dtype bfloat16 --tp 2)."""
+    sglang_startup_timeout_s: float = Field(900.0, gt=0.0, le=7200.0)
+    """sglang: longest wait at start for every server to answer /health_generate."""
+    sglang_generate_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """sglang: longest wait for one /generate call (all samples of a request)."""
+    sglang_always_seed: bool = False
+    """sglang: send a sampling_seed with every sample (for --enable-deterministic-inference servers)."""
 
 
 class RunnerSettings(RolloutClientSettings):

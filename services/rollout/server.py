@@ -277,6 +277,14 @@ class EngineApp:
 
 async def serve_engine(settings: EngineSettings) -> None:
     redis = connect(require_redis_url(settings))
+    if settings.backend == "sglang":
+        from services.rollout.sglang_engine import serve_sglang_engine
+
+        try:
+            await serve_sglang_engine(settings, redis, advertised_address(settings))
+        finally:
+            await redis.aclose()
+        return
     app = EngineApp(settings, redis)
     try:
         await serve(settings, app.register, background=app.run)
@@ -289,6 +297,13 @@ def main() -> None:
     """``python -m services.rollout engine``."""
     settings = load_settings(EngineSettings)
     setup_logging(settings.service_name, settings.log_level)
+    if settings.backend == "sglang" and not (settings.sglang_urls.strip() or settings.sglang_model_path):
+        urls, path = EngineSettings.env_name("sglang_urls"), EngineSettings.env_name("sglang_model_path")
+        print(
+            f"{settings.service_name}: invalid setting {urls}: set it (attach) or {path} (launch)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     try:
