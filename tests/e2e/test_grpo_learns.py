@@ -23,7 +23,8 @@ from services.stack import Stack, StackConfig
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 900.0
 
-pytestmark = pytest.mark.e2e
+# The first run builds the base model (about a minute on 2 idle cores, several under load).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 
 def short_job(checkpoint_dir: Path) -> dict[str, Any]:
