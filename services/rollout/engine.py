@@ -1,11 +1,16 @@
-"""The torch rollout engine: batched generation with a KV cache on one worker thread.
+"""The torch rollout engine: continuous batching with a slot KV cache on one worker thread.
 
-Requests are split into sample rows (``n`` per request) and queued. The worker takes up to
-``max_batch_size`` rows at a time (waiting at most ``batch_wait_s`` for a batch to fill),
-left-pads the prompts, prefills, and decodes step by step with the model's KV cache (see
-``torch_backend``). Between decode steps it honours aborts, pauses and weight updates: a
-same-architecture update is copied into the live model right there, so later tokens carry
-the new policy version; a new architecture is swapped in between batches.
+Requests are split into sample rows (``n`` per request) and queued. Every iteration of the
+worker (see ``_work_until_stopped``) does, in this order: apply a pending weight update if it
+may be applied now; finish aborted samples and drop every finished one from the batch; admit
+queued samples into free slots (one prefill per request, at most ``max_prefill_tokens`` of
+prompt per step); run one decode step for every live sample. So requests join and leave the
+running batch at every step (``continuous.ContinuousBatch``, ``decoder.SlotDecoder``). A
+same-architecture weight update is copied into the live model between steps, so later tokens
+carry the new policy version; a new architecture waits until the batch is empty.
+
+Models the slot decoder does not know (see ``decoder.unsupported_reason``) run on
+transformers' forward in static batches instead (``torch_backend.decode_batch``).
 
 All mutable state is guarded by one condition variable. The asyncio side only enqueues,
 flags and reads; the model is touched by the worker thread alone.
@@ -17,14 +22,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.sampling import SamplingConfig, row_seed
+from services.rollout.continuous import ContinuousBatch, record_tokens
+from services.rollout.decoder import unsupported_reason
+from services.rollout.requests import (
+    Completion,
+    EngineStatus,
+    EngineStoppedError,
+    FinishReason,
+    GenerationRequest,
+    NoWeightsError,
+    Row,
+    WeightUpdate,
+    WrongJobError,
+    validate_request,
+)
 from services.rollout.torch_backend import LoadedModel, decode_batch, load_model
 from services.rollout.weights import (
     CheckpointError,
@@ -34,97 +51,21 @@ from services.rollout.weights import (
     verify_weights,
 )
 
+__all__ = [
+    "Completion",
+    "EngineStatus",
+    "EngineStoppedError",
+    "GenerationRequest",
+    "NoWeightsError",
+    "Row",
+    "TorchEngine",
+    "WrongJobError",
+]
+
 log = logging.getLogger(__name__)
 
-FinishReason = int
-"""A common_pb2.FinishReason value."""
 _IDLE_WAIT_S = 0.1
 """How long the idle worker sleeps between checks of its stop flag."""
-
-
-class NoWeightsError(RuntimeError):
-    """Generate before the first checkpoint was loaded."""
-
-
-class EngineStoppedError(RuntimeError):
-    """Generate after shutdown began."""
-
-
-class WrongJobError(RuntimeError):
-    """Generate for a job other than the one whose weights the engine serves."""
-
-
-@dataclass(slots=True)
-class Completion:
-    """One finished (or aborted) sample of a request."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_versions: list[int]
-    finish_reason: FinishReason
-    error: str = ""
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    """One Generate call. ``on_completion`` is called on the worker thread per finished sample."""
-
-    request_id: str
-    prompt: list[int]
-    config: SamplingConfig
-    on_completion: Callable[[Completion], None]
-    job_id: str = ""
-    """When set, the engine must be serving this job's weights."""
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    aborted: bool = False
-    unfinished: int = 0
-
-
-@dataclass(eq=False)
-class Row:
-    """One sample being generated: the unit the worker batches."""
-
-    request: GenerationRequest
-    index: int
-    stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: FinishReason | None = None
-
-    @property
-    def seed(self) -> int | None:
-        """The seed of this sample's random stream, or None for the engine's shared one."""
-        seed = self.request.config.seed
-        return None if seed is None else row_seed(seed, self.index)
-
-
-@dataclass(eq=False)
-class WeightUpdate:
-    """A verified checkpoint waiting for the worker: a new model, or a state dict to copy."""
-
-    version: int
-    job_id: str
-    path: Path
-    mode: int
-    model: LoadedModel | None = None
-    state_dict: dict[str, torch.Tensor] | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
-    aborted_requests: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatus:
-    state: int
-    policy_version: int
-    job_id: str
-    model_dir: str
-    running_requests: int
-    queued_requests: int
-    outstanding_tokens: int
 
 
 class TorchEngine:
@@ -137,12 +78,18 @@ class TorchEngine:
         dtype: torch.dtype,
         max_batch_size: int,
         batch_wait_s: float,
+        max_prefill_tokens: int = 4096,
         default_update_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.max_prefill_tokens = max_prefill_tokens
+        self._batch: ContinuousBatch | None = None
+        """The running batch of the fast path (worker thread only); None when idle or static."""
+        self._static_model: LoadedModel | None = None
+        """The loaded model known to need the static path."""
         self.default_update_mode = default_update_mode
         self._cond = threading.Condition(threading.RLock())
         self._queue: deque[Row] = deque()
@@ -200,7 +147,7 @@ class TorchEngine:
                 raise NoWeightsError("no weights loaded")
             if request.job_id and request.job_id != self._job_id:
                 raise WrongJobError(f"engine serves job {self._job_id!r}, not {request.job_id!r}")
-            self._validate(request, self._loaded)
+            validate_request(request, self._loaded)
             stop_ids = request.config.stop_token_ids
             if not request.config.ignore_eos:
                 stop_ids = stop_ids | self._loaded.eos_token_ids
@@ -208,26 +155,6 @@ class TorchEngine:
             self._requests.setdefault(request.request_id, set()).add(request)
             self._queue.extend(Row(request, i, stop_ids) for i in range(request.config.n))
             self._cond.notify_all()
-
-    @staticmethod
-    def _validate(request: GenerationRequest, loaded: LoadedModel) -> None:
-        prompt, config = request.prompt, request.config
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < loaded.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {loaded.vocab_size}): {bad[:5]}")
-        bad = [t for t in config.stop_token_ids if not 0 <= t < loaded.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary [0, {loaded.vocab_size}): {bad[:5]}")
-        total = len(prompt) + config.max_new_tokens
-        if loaded.max_positions and total > loaded.max_positions:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) = {total} "
-                f"exceeds the model's {loaded.max_positions} positions"
-            )
-        if config.stop and loaded.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer in the checkpoint; use stop_token_ids")
 
     def abort(self, request_ids: Iterable[str] = (), *, all_requests: bool = False) -> int:
         """Mark live requests aborted by id (or all of them); returns how many were hit.
@@ -410,18 +337,128 @@ class TorchEngine:
 
     def _work_until_stopped(self) -> None:
         while True:
-            update = self._take_update([])
-            if update is not None:
-                self._apply(update)
-            with self._cond:
-                if self._stopping:
+            loaded = self._loaded
+            if loaded is not None and self._fast_path(loaded) is None:
+                if not self._static_iteration():
                     return
-                rows = self._take_batch()
-                self._running = rows
-            if rows:
-                self._run_batch(rows)
-                with self._cond:
-                    self._running = []
+            elif not self._continuous_iteration():
+                return
+
+    def _fast_path(self, loaded: LoadedModel) -> ContinuousBatch | None:
+        """The continuous batch for ``loaded``, or None when its architecture needs the static path."""
+        batch = self._batch
+        if batch is not None and (batch.loaded is loaded or batch.rows):
+            return batch  # a new model waits for the batch to drain (see _take_update)
+        if self._static_model is loaded:
+            return None
+        reason = unsupported_reason(loaded.model)
+        if reason is not None:
+            log.warning("static batches on transformers' forward for this model: %s", reason)
+            self._static_model, self._batch = loaded, None
+            return None
+        self._batch = ContinuousBatch(loaded, capacity=self.max_batch_size, device=self.device)
+        return self._batch
+
+    def _continuous_iteration(self) -> bool:
+        """Update, retire, admit, decode once; False when the engine stops."""
+        batch = self._batch
+        live = batch.rows if batch is not None else []
+        update = self._take_update(live)
+        if update is not None:
+            self._apply(update)
+        with self._cond:
+            for row in live:
+                if row.finish is None and (row.request.aborted or self._stopping):
+                    self._finish(row, common_pb2.FINISH_REASON_ABORT)
+            if self._stopping:
+                return False
+        if batch is not None:
+            batch.retire()
+        if batch is not None and not batch.rows and batch.capacity != self.max_batch_size:
+            self._batch = batch = None  # max_batch_size was changed: new slots next time
+        with self._cond:
+            if self._paused or self._loaded is None:
+                self._running = list(live)
+                self._cond.wait(_IDLE_WAIT_S)
+                return True
+            admitted = self._take_rows(len(live), batch.free if batch is not None else self.max_batch_size)
+            self._running = list(live) + admitted
+        if not admitted and not live:
+            return True
+        batch = self._fast_path(self._loaded)
+        assert batch is not None
+        try:
+            self._advance(batch, admitted)
+        except Exception as err:  # the batch fails; the engine keeps serving
+            log.exception("generation failed for a batch of %d samples", len(batch.rows) + len(admitted))
+            with self._cond:
+                for row in [*batch.rows, *admitted]:
+                    self._finish(row, common_pb2.FINISH_REASON_ERROR, f"{type(err).__name__}: {err}")
+            self._batch = None
+        return True
+
+    def _advance(self, batch: ContinuousBatch, admitted: list[Row]) -> None:
+        """Prefill ``admitted`` into ``batch`` and sample their first tokens, then decode one step."""
+        tokenizer = batch.loaded.tokenizer
+        if admitted:
+            tokens, logprobs = batch.admit(admitted)
+            record_tokens(admitted, tokens, logprobs, version=self._version, tokenizer=tokenizer, hooks=self)
+            batch.retire()
+        if batch.rows:
+            rows = batch.rows
+            tokens, logprobs = batch.step()
+            record_tokens(rows, tokens, logprobs, version=self._version, tokenizer=tokenizer, hooks=self)
+
+    def _take_rows(self, live: int, free: int) -> list[Row]:
+        """Queued rows for the free slots, within the prefill budget (under the lock).
+
+        An idle engine waits up to batch_wait_s for the batch to fill; a busy one takes what
+        is queued now, so nobody waits for a batch to end.
+        """
+        if self._pending is not None and self._pending.model is not None:
+            if not live:
+                self._cond.wait(_IDLE_WAIT_S)
+            return []  # a new architecture is installed once the batch drains
+        if not live:
+            if not self._queue:
+                self._cond.wait(_IDLE_WAIT_S)
+                return []
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(self._queue) < free and not (self._stopping or self._paused):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._stopping or self._paused:
+                return []
+        rows: list[Row] = []
+        prefill: set[int] = set()
+        budget = self.max_prefill_tokens
+        while self._queue and len(rows) < free:
+            request = self._queue[0].request
+            if id(request) not in prefill:
+                if prefill and len(request.prompt) > budget:
+                    break
+                prefill.add(id(request))
+                budget -= len(request.prompt)
+            rows.append(self._queue.popleft())
+        return rows
+
+    def _static_iteration(self) -> bool:
+        """The static path: one whole batch on transformers' forward; False when stopping."""
+        update = self._take_update([])
+        if update is not None:
+            self._apply(update)
+        with self._cond:
+            if self._stopping:
+                return False
+            rows = self._take_batch()
+            self._running = rows
+        if rows:
+            self._run_batch(rows)
+            with self._cond:
+                self._running = []
+        return True
 
     def _take_batch(self) -> list[Row]:
         """Up to max_batch_size queued rows, once a batch is full or batch_wait_s has passed."""

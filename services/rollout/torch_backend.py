@@ -5,14 +5,13 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from services.common.pb import common_pb2
+from services.rollout.continuous import record_tokens
 from services.rollout.sampling import BatchSampler
 
 if TYPE_CHECKING:
@@ -121,19 +120,6 @@ def _forward(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, positio
     return out.logits[:, -1, :].float()
 
 
-def _finish_reason(row: Row, tokenizer: Any | None) -> int | None:
-    config = row.request.config
-    if row.tokens[-1] in row.stop_ids:
-        return common_pb2.FINISH_REASON_STOP
-    if config.stop and tokenizer is not None:
-        text = tokenizer.decode(row.tokens)
-        if any(stop in text for stop in config.stop):
-            return common_pb2.FINISH_REASON_STOP
-    if len(row.tokens) >= config.max_new_tokens:
-        return common_pb2.FINISH_REASON_LENGTH
-    return None
-
-
 @torch.inference_mode()
 def decode_batch(loaded: LoadedModel, rows: list[Row], *, device: torch.device, hooks: DecodeHooks) -> None:
     """Generate every row to completion (or abort), reporting each finished row to ``hooks``.
@@ -153,17 +139,7 @@ def decode_batch(loaded: LoadedModel, rows: list[Row], *, device: torch.device, 
         active = [row.finish is None for row in live]
         tokens, logprobs = sampler.sample(logits, active)
         version = hooks.current_version()
-        for row, token, logprob in zip(live, tokens.tolist(), logprobs.tolist(), strict=True):
-            if row.finish is not None:
-                continue
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            row.versions.append(version)
-            if row.request.first_token_at is None:
-                row.request.first_token_at = time.monotonic()
-            reason = _finish_reason(row, loaded.tokenizer)
-            if reason is not None:
-                hooks.finish(row, reason)
+        record_tokens(live, tokens, logprobs, version=version, tokenizer=loaded.tokenizer, hooks=hooks)
         hooks.after_step(live)
         keep = [i for i, row in enumerate(live) if row.finish is None]
         if not keep:

@@ -1,0 +1,143 @@
+"""The running batch of the engine's fast path: samples join at any decode step and leave
+as soon as they finish.
+
+``ContinuousBatch`` keeps its live samples in the first slots of a ``SlotDecoder`` (keys and
+values) and a ``BatchSampler`` (settings and random streams), with each slot's position and
+last token. The engine's worker calls, per iteration: ``retire`` (drop finished samples),
+``admit`` (prefill new ones, one prefill per request however many samples it has, and sample
+their first tokens) and ``step`` (one decode step for every live sample). ``record_tokens``
+appends what was sampled to each sample and reports the finished ones.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from services.common.pb import common_pb2
+from services.rollout.decoder import SlotDecoder
+from services.rollout.sampling import BatchSampler
+
+if TYPE_CHECKING:
+    from services.rollout.requests import Row
+    from services.rollout.torch_backend import LoadedModel
+
+
+class FinishHook(Protocol):
+    def finish(self, row: Row, reason: int, error: str = "") -> None: ...
+
+
+def finish_reason(row: Row, tokenizer: object | None) -> int | None:
+    """STOP, LENGTH or None (keep going) after the row's latest token."""
+    config = row.request.config
+    if row.tokens[-1] in row.stop_ids:
+        return common_pb2.FINISH_REASON_STOP
+    if config.stop and tokenizer is not None:
+        text = tokenizer.decode(row.tokens)  # type: ignore[attr-defined]
+        if any(stop in text for stop in config.stop):
+            return common_pb2.FINISH_REASON_STOP
+    if len(row.tokens) >= config.max_new_tokens:
+        return common_pb2.FINISH_REASON_LENGTH
+    return None
+
+
+def record_tokens(
+    rows: list[Row],
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    *,
+    version: int,
+    tokenizer: object | None,
+    hooks: FinishHook,
+) -> None:
+    """Append each unfinished row's sampled token, logprob and policy version; finish rows that stop."""
+    now = time.monotonic()
+    for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        if row.finish is not None:
+            continue
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        row.versions.append(version)
+        request = row.request
+        if request.first_token_at is None:
+            request.first_token_at = now
+        if request.on_tokens is not None:
+            request.on_tokens(row.index, token, logprob, version)
+        reason = finish_reason(row, tokenizer)
+        if reason is not None:
+            hooks.finish(row, reason)
+
+
+class ContinuousBatch:
+    """Live samples of one model in slots ``0..len(rows)-1`` (worker thread only)."""
+
+    def __init__(self, loaded: LoadedModel, *, capacity: int, device: torch.device) -> None:
+        self.loaded = loaded
+        self.capacity = capacity
+        self.decoder = SlotDecoder(loaded.model, slots=capacity, max_positions=loaded.max_positions)
+        self.sampler = BatchSampler([], [], device, capacity=capacity)
+        self.rows: list[Row] = []
+        self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
+        """Where each slot's next token goes (= the tokens it has seen)."""
+        self.last_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.device = device
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def admit(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill ``rows`` into the next free slots; returns their first tokens and logprobs."""
+        if len(rows) > self.free:
+            raise ValueError(f"{len(rows)} samples for {self.free} free slots")
+        start = len(self.rows)
+        prompts: list[list[int]] = []
+        slots: list[list[int]] = []
+        group_of: dict[int, int] = {}
+        row_groups: list[int] = []
+        for offset, row in enumerate(rows):
+            request = row.request
+            group = group_of.setdefault(id(request), len(prompts))
+            if group == len(prompts):
+                prompts.append(request.prompt)
+                slots.append([])
+            slots[group].append(start + offset)
+            row_groups.append(group)
+            self.sampler.assign(start + offset, request.config, row.seed)
+        self.decoder.reserve(max(len(r.request.prompt) + r.request.config.max_new_tokens for r in rows))
+        logits = self.decoder.prefill(prompts, slots)
+        logits = logits[torch.tensor(row_groups, device=logits.device)]
+        tokens, logprobs = self.sampler.sample(logits, start=start)
+        end = start + len(rows)
+        self.positions[start:end] = torch.tensor([len(r.request.prompt) for r in rows])
+        self.last_tokens[start:end] = tokens
+        self.rows.extend(rows)
+        return tokens, logprobs
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for every live slot; returns the sampled tokens and logprobs."""
+        count = len(self.rows)
+        logits = self.decoder.decode(self.last_tokens[:count], self.positions[:count])
+        tokens, logprobs = self.sampler.sample(logits)
+        self.positions[:count] += 1
+        self.last_tokens[:count] = tokens
+        return tokens, logprobs
+
+    def retire(self) -> None:
+        """Drop finished rows: live rows past the new end move into the slots finished ones left."""
+        live = sum(1 for row in self.rows if row.finish is None)
+        if live == len(self.rows):
+            return
+        holes = [slot for slot in range(live) if self.rows[slot].finish is not None]
+        movers = [slot for slot in range(live, len(self.rows)) if self.rows[slot].finish is None]
+        if movers:
+            length = int(self.positions[movers].max())
+            self.decoder.move(movers, holes, length)
+            self.sampler.move(movers, holes)
+            self.positions[holes] = self.positions[movers]
+            self.last_tokens[holes] = self.last_tokens[movers]
+            for hole, mover in zip(holes, movers, strict=True):
+                self.rows[hole] = self.rows[mover]
+        del self.rows[live:]

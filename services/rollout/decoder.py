@@ -1,0 +1,239 @@
+"""A decoder for Llama-family models over a slot KV cache: the engine's fast path.
+
+transformers' own forward rebuilds masks, walks its cache classes and (with ``DynamicCache``)
+concatenates every layer's keys and values at every step; for the small models of RL on a
+CPU that overhead is most of the step. This module runs the same weights (the HF modules'
+own parameters, so an in-place weight update is seen at once) with a plain torch forward:
+
+- every sample owns a *slot* of a preallocated cache ``[slots, kv_heads, length, head_dim]``
+  per layer, positions start at 0 in every slot (no left padding), and a finished sample's
+  slot is refilled by moving the last live one into it, so the live samples are always the
+  first ``B`` slots and attention reads a view of the cache, never a gathered copy;
+- prefill takes several prompts right-padded together (causal attention never looks at the
+  padding), writes their keys and values into the slots of all their samples, and computes
+  the LM head on each prompt's last token only;
+- decode feeds one token per live slot at that slot's own position, attending to its own
+  cache up to that position.
+
+The arithmetic is transformers' (RMSNorm in float32, rotary tables from the model's own
+rotary module, SDPA with the model's scaling), so logprobs equal a full forward pass of the
+trainer's model to float error. Architectures outside the list (or with a sliding window or a
+sequence-length-dependent rotary scaling) get ``unsupported_reason`` and the engine falls back
+to transformers' forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+_FIRST_LENGTH = 256
+"""Cache length first allocated per slot; it doubles when a longer sample arrives."""
+
+
+def _rope_type(config: Any) -> str:
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, name, None)
+        if isinstance(value, dict):
+            return str(value.get("rope_type") or value.get("type") or "default")
+    return "default"
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run on the slot decoder, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True)
+    positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if window and uses_window and window < positions:
+        return f"sliding window attention ({window} < {positions} positions)"
+    if _rope_type(config) not in _STATIC_ROPE_TYPES:
+        return f"rope type {_rope_type(config)!r} depends on the sequence length"
+    body = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if body is None or not all(hasattr(body, name) for name in needed) or not hasattr(model, "lm_head"):
+        return "the module layout is not model.{embed_tokens, layers, norm, rotary_emb} + lm_head"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+    eps = norm.variance_epsilon
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One weight (and bias) for several linears that read the same input.
+
+    The linears' own parameters become views into the fused tensors, so loading a state dict
+    into the model (an in-place copy) updates the fused weights too, with no extra memory.
+    """
+    weight = torch.cat([linear.weight.data for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = torch.cat([b.data for b in biases]) if all(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        raise ValueError("some of the fused projections have a bias and some do not")
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[start : start + rows]
+        if bias is not None:
+            linear.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+class SlotDecoder:
+    """Prefill and decode for up to ``slots`` samples of one model (one worker thread)."""
+
+    def __init__(self, model: torch.nn.Module, *, slots: int, max_positions: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the slot decoder cannot run this model: {reason}")
+        self.model = model
+        body = model.model
+        self.embed = body.embed_tokens
+        self.layers = list(body.layers)
+        self.final_norm = body.norm
+        self.lm_head = model.lm_head
+        first = self.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = first.q_proj.out_features // self.head_dim
+        self.kv_heads = first.k_proj.out_features // self.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv = [_fuse([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in self.layers)]
+        self.gate_up = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
+        self.slots = slots
+        self.max_positions = max_positions or 1 << 20
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.cos = self.sin = torch.empty(0)
+
+    # -- cache -----------------------------------------------------------------
+
+    def reserve(self, length: int) -> None:
+        """Make every slot hold at least ``length`` positions (grows by doubling, keeps contents)."""
+        if length <= self.length:
+            return
+        if length > self.max_positions:
+            raise ValueError(f"{length} positions exceed the model's {self.max_positions}")
+        new_length = min(max(length, 2 * self.length, _FIRST_LENGTH), self.max_positions)
+        shape = (self.slots, self.kv_heads, new_length, self.head_dim)
+        keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        if self.length:
+            for old, new in zip(self.keys + self.values, keys + values, strict=True):
+                new[:, :, : self.length].copy_(old)
+        self.keys, self.values, self.length = keys, values, new_length
+        self._build_rotary_tables(new_length)
+
+    def _build_rotary_tables(self, length: int) -> None:
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [length, head_dim]
+
+    def move(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of each slot in ``sources`` into the matching target."""
+        source = torch.tensor(sources, device=self.device)
+        target = torch.tensor(targets, device=self.device)
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length] = cache[source, :, :length]
+
+    # -- forward -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: list[list[int]]) -> torch.Tensor:
+        """Run ``prompts`` (right-padded together); their keys and values go to every slot in
+        ``slots[i]``. Returns float32 logits [len(prompts), vocab] of each prompt's last token."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        targets = torch.tensor([s for group in slots for s in group], device=self.device)
+        sources = torch.tensor([i for i, group in enumerate(slots) for _ in group], device=self.device)
+        cos, sin = self.cos[:width], self.sin[:width]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+            self.keys[layer][targets, :, :width] = k[sources]
+            self.values[layer][targets, :, :width] = v[sources]
+            gqa = self.heads != self.kv_heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+        hidden = self._layers(self.embed(ids.to(self.device)), cos, sin, attend)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        hidden = hidden[torch.arange(len(prompts), device=self.device), last]
+        return self._logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b.
+
+        Returns float32 logits [B, vocab]."""
+        batch = tokens.shape[0]
+        span = int(positions.max()) + 1
+        rows = torch.arange(batch, device=self.device)
+        bias = torch.zeros((batch, 1, 1, span), device=self.device, dtype=self.dtype)
+        bias.masked_fill_(torch.arange(span, device=self.device) > positions[:, None, None, None], -torch.inf)
+        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+            keys, values = self.keys[layer], self.values[layer]
+            keys[rows, :, positions] = k[:, :, 0]
+            values[rows, :, positions] = v[:, :, 0]
+            keys, values = keys[:batch, :, :span], values[:batch, :, :span]
+            if self.device.type != "cpu":
+                gqa = self.heads != self.kv_heads
+                return F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa
+                )
+            # one query per row: on a CPU, two batched matmuls beat SDPA's kernel
+            q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(weights, values).reshape(batch, self.heads, 1, self.head_dim)
+
+        hidden = self._layers(self.embed(tokens.unsqueeze(1)), cos, sin, attend)
+        return self._logits(hidden[:, -1])
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
+        batch, width, _ = x.shape
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm)
+            shape = (batch, width, -1, self.head_dim)
+            qkv = F.linear(h, *self.qkv[index])
+            q, k, v = (part.view(shape) for part in qkv.split([self.q_size, self.kv_size, self.kv_size], -1))
+            if hasattr(attention, "q_norm"):  # qwen3 normalises each head before the rotation
+                q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
+            q = _rotate(q.transpose(1, 2), cos, sin)
+            k = _rotate(k.transpose(1, 2), cos, sin)
+            out = attend(index, q, k, v.transpose(1, 2), attention.scaling)
+            out = out.transpose(1, 2).reshape(batch, width, -1)
+            x = x + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
+            mlp = layer.mlp
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            gate, up = F.linear(h, *self.gate_up[index]).chunk(2, -1)
+            x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(_rms_norm(hidden, self.final_norm)).float()

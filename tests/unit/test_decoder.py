@@ -1,0 +1,102 @@
+"""The slot decoder against transformers' own forward: Llama (GQA), Qwen2 (biases), Qwen3 (head norms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from services.rollout.decoder import SlotDecoder, unsupported_reason
+
+SIZES = {
+    "vocab_size": 90,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def build(kind: str) -> PreTrainedModel:
+    torch.manual_seed(3)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    if kind == "llama3-rope":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+        return LlamaForCausalLM(LlamaConfig(**SIZES, rope_parameters=rope)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)).eval()
+    raise ValueError(kind)
+
+
+def full_logprobs(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_prefill_and_decode_equal_a_full_forward_pass(kind: str) -> None:
+    """Two prompts of different lengths, one with two samples, decoded side by side for 12 steps."""
+    model = build(kind)
+    decoder = SlotDecoder(model, slots=4, max_positions=512)
+    decoder.reserve(40)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    logits = decoder.prefill(prompts, [[0, 1], [2]])
+    sequences = [list(prompts[0]), list(prompts[0]), list(prompts[1])]
+    tokens = torch.stack([logits[0].argmax(), (logits[0].argmax() + 1) % 90, logits[1].argmax()])
+    positions = torch.tensor([7, 7, 3])
+    assert torch.allclose(logits[0].log_softmax(-1), full_logprobs(model, prompts[0]), atol=1e-5)
+    for _ in range(12):
+        for sequence, token in zip(sequences, tokens.tolist(), strict=True):
+            sequence.append(token)
+        logits = decoder.decode(tokens, positions)
+        for row, sequence in enumerate(sequences):
+            assert torch.allclose(logits[row].log_softmax(-1), full_logprobs(model, sequence), atol=1e-5)
+        tokens, positions = logits.argmax(-1), positions + 1
+
+
+def test_moving_a_slot_and_growing_the_cache_keep_what_it_holds() -> None:
+    model = build("llama")
+    decoder = SlotDecoder(model, slots=3, max_positions=512)
+    decoder.reserve(8)
+    first_length = decoder.length
+    prompt = list(range(3, 3 + 20))
+    decoder.prefill([[1, 2, 3], prompt], [[0], [2]])
+    decoder.move([2], [1], len(prompt))  # slot 2 sample now lives in slot 1
+    decoder.reserve(first_length + 1)  # doubles the cache, copying it
+    assert decoder.length >= 2 * first_length
+    token = torch.tensor([0, 7])
+    logits = decoder.decode(token, torch.tensor([3, len(prompt)]))
+    assert torch.allclose(logits[1].log_softmax(-1), full_logprobs(model, [*prompt, 7]), atol=1e-5)
+    assert torch.allclose(logits[0].log_softmax(-1), full_logprobs(model, [1, 2, 3, 0]), atol=1e-5)
+
+
+def test_unsupported_models_are_named() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in (unsupported_reason(gpt2) or "")
+    windowed = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=16))
+    assert "sliding window" in (unsupported_reason(windowed) or "")
+    dynamic = LlamaForCausalLM(LlamaConfig(**SIZES, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert "dynamic" in (unsupported_reason(dynamic) or "")
+    assert unsupported_reason(build("qwen3")) is None
+    with pytest.raises(ValueError, match="gpt2"):
+        SlotDecoder(gpt2, slots=1, max_positions=64)
+    with pytest.raises(ValueError, match="exceed"):
+        SlotDecoder(build("llama"), slots=1, max_positions=512).reserve(513)
