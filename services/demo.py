@@ -93,7 +93,7 @@ def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
     spec = load_job_spec(spec_path)
     prepare_model(spec.model.path)
     config = StackConfig(log_dir=out_dir / "logs", engines=engines, api_port=0, router_port=0, engine_port=0,
-                         reward_port=0, trainer_port=0, runner_port=0)  # fmt: skip
+                         reward_port=0, trainer_port=0, runner_port=0, engine_metrics_port=0)  # fmt: skip
     print(f"starting services (logs in {config.log_dir}/) ...", flush=True)
     with Stack(config) as stack:
         job_id = submit(stack.api_url, spec_path)["job_id"]

@@ -50,6 +50,8 @@ class StackConfig:
     api_port: int = 8000
     router_port: int = 50051
     engine_port: int = 50052
+    engine_metrics_port: int = 9400
+    """HTTP /metrics of engine-0; the other engines get free ports (their logs say which)."""
     reward_port: int = 50053
     trainer_port: int = 50054
     runner_port: int = 50055
@@ -116,7 +118,13 @@ class Stack:
         ]  # fmt: skip
         for index in range(cfg.engines):
             port = cfg.engine_port if index == 0 else free_port(host)
-            env = {**base, "VERST_ENGINE_PORT": str(port), "VERST_ENGINE_ENGINE_ID": f"engine-{index}"}
+            metrics_port = cfg.engine_metrics_port if index == 0 else free_port(host)
+            env = {
+                **base,
+                "VERST_ENGINE_PORT": str(port),
+                "VERST_ENGINE_METRICS_PORT": str(metrics_port),
+                "VERST_ENGINE_ENGINE_ID": f"engine-{index}",
+            }
             children.append(
                 Child(f"engine-{index}", [*py, "services.rollout", "engine"], env, ("grpc", f"{host}:{port}"))
             )

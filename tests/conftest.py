@@ -49,6 +49,7 @@ def python_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERST_") and k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONUNBUFFERED"] = "1"
+    env["VERST_ENGINE_METRICS_PORT"] = "0"  # engines of parallel test runs must not fight over 9400
     return env
 
 

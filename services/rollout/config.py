@@ -7,6 +7,7 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.pb import rollout_pb2
 from services.common.settings import RolloutClientSettings, ServiceSettings
 
 
@@ -36,6 +37,16 @@ class EngineSettings(ServiceSettings):
     """Torch intra-op CPU threads; 0 keeps torch's default. 1 is fastest for tiny models."""
     weight_load_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Longest wait for the worker to take verified weights (it swaps models between batches)."""
+    max_prefill_tokens: int = Field(4096, ge=1, le=1_048_576)
+    """Most prompt tokens prefilled in one step while other samples decode (new samples join
+    the running batch at every step; a longer prompt is prefilled alone)."""
+    weight_update_mode: str = Field("continue", pattern=r"^(continue|abort)$")
+    """What a new checkpoint does to samples in flight: continue under the new weights (each
+    token records its version) or abort them, returning their tokens for partial rollout."""
+    metrics_port: int = Field(9400, ge=0, le=65535)
+    """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
+    metrics_enabled: bool = True
+    """Serve /metrics (tokens/s, running requests, queue depth, TTFT, weight version)."""
     backend: str = Field("torch", pattern=r"^(torch|sglang)$")
     """Generation backend: torch (in this process) or sglang (SGLang servers over HTTP; CUDA hosts)."""
     sglang_urls: str = Field("", max_length=4000)
@@ -52,6 +63,13 @@ class EngineSettings(ServiceSettings):
     """sglang: longest wait for one /generate call (all samples of a request)."""
     sglang_always_seed: bool = False
     """sglang: send a sampling_seed with every sample (for --enable-deterministic-inference servers)."""
+
+    @property
+    def default_update_mode(self) -> int:
+        """The WeightUpdateMode of loads that name none (the watcher's), from weight_update_mode."""
+        if self.weight_update_mode == "abort":
+            return rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
+        return rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE
 
 
 class RunnerSettings(RolloutClientSettings):
@@ -71,3 +89,6 @@ class RunnerSettings(RolloutClientSettings):
     """A task delivered this many times without an ack is dead-lettered."""
     retry_s: float = Field(30.0, ge=0.0, le=3600.0)
     """How long fast router/reward failures (UNAVAILABLE, no weights yet) are retried in place."""
+    max_resumes: int = Field(8, ge=0, le=1000)
+    """Times one aborted sample (weight update in abort mode, Abort, Pause) is resumed from its
+    partial tokens; past it, or at 0, it is published with finish reason ABORT and its tokens so far."""

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as aioredis
@@ -34,9 +35,10 @@ from services.rollout.engine import (
     TorchEngine,
     WrongJobError,
 )
+from services.rollout.metrics import EngineMetrics, serving_metrics
 from services.rollout.sampling import SamplingConfig
 from services.rollout.torch_backend import DTYPES, resolve_device
-from services.rollout.watcher import Heartbeat, WeightLoader, WeightWatcher
+from services.rollout.watcher import Heartbeat, LoadReport, WeightLoader, WeightWatcher
 from services.rollout.weights import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,57 @@ def completion_proto(completion: Completion) -> rollout_pb2.Completion:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TokenIncrement:
+    """One new token of one sample of a streaming request."""
+
+    index: int
+    token: int
+    logprob: float
+    version: int
+
+
+class Delivery:
+    """Hands one request's completions from the engine's worker thread to its caller's queue,
+    counting them on the event loop (also those whose caller has gone: their tokens were made)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics) -> None:
+        self.loop = loop
+        self.metrics = metrics
+        self.queue: asyncio.Queue[Completion | TokenIncrement] = asyncio.Queue()
+        self.request: GenerationRequest | None = None
+        self._first_token_seen = False
+
+    def __call__(self, completion: Completion) -> None:
+        """The engine's on_completion (worker thread)."""
+        self.loop.call_soon_threadsafe(self._deliver, completion)
+
+    def token(self, index: int, token: int, logprob: float, version: int) -> None:
+        """The engine's on_tokens for streaming requests (worker thread)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, TokenIncrement(index, token, logprob, version))
+
+    def _deliver(self, completion: Completion) -> None:
+        self.metrics.completed(len(completion.token_ids), completion.finish_reason)
+        request = self.request
+        if not self._first_token_seen and request is not None and request.first_token_at is not None:
+            self._first_token_seen = True
+            self.metrics.first_token(request.first_token_at - request.submitted_at)
+        self.queue.put_nowait(completion)
+
+
+class MeteredWeightLoader(WeightLoader):
+    """A WeightLoader whose loads (the watcher's and LoadWeights') are counted and timed."""
+
+    def __init__(self, engine: TorchEngine, timeout_s: float, metrics: EngineMetrics) -> None:
+        super().__init__(engine, timeout_s)
+        self.metrics = metrics
+
+    async def load(
+        self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
+    ) -> LoadReport:
+        return await self.metrics.observe_load(super().load(handle, mode, timeout_s))
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Generate, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus.
 
@@ -63,14 +116,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     checked: the engine conditions on the whole prompt, and max_new_tokens counts new tokens.
     """
 
-    def __init__(self, engine: TorchEngine, loader: WeightLoader, info: EngineInfoSource) -> None:
+    def __init__(
+        self, engine: TorchEngine, loader: WeightLoader, info: EngineInfoSource, metrics: EngineMetrics
+    ) -> None:
         self.engine = engine
         self.loader = loader
         self.info = info
+        self.metrics = metrics
 
     async def _submit(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[GenerationRequest, asyncio.Queue[Completion]]:
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *, stream: bool = False
+    ) -> tuple[GenerationRequest, asyncio.Queue[Completion | TokenIncrement]]:
         """Validate and queue a request; aborts the call with the right status on bad input."""
         try:
             config = SamplingConfig.from_proto(request.sampling)
@@ -82,15 +138,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 f"resume_offset {request.resume_offset} is outside the prompt's "
                 f"{len(request.prompt_token_ids)} tokens",
             )
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Completion] = asyncio.Queue()
+        delivery = Delivery(asyncio.get_running_loop(), self.metrics)
         generation = GenerationRequest(
             request_id=request.request_id or f"req-{uuid.uuid4().hex}",
             prompt=list(request.prompt_token_ids),
             config=config,
-            on_completion=lambda completion: loop.call_soon_threadsafe(queue.put_nowait, completion),
+            on_completion=delivery,
             job_id=request.job_id,
+            on_tokens=delivery.token if stream else None,
         )
+        delivery.request = generation
         try:
             self.engine.submit(generation)
         except NoWeightsError:
@@ -104,7 +161,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineStoppedError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        return generation, queue
+        return generation, delivery.queue
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -113,7 +170,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         completions: list[Completion] = []
         try:
             while len(completions) < generation.config.n:
-                completions.append(await queue.get())
+                item = await queue.get()
+                assert isinstance(item, Completion)  # unary requests get no increments
+                completions.append(item)
         except asyncio.CancelledError:  # the caller's deadline passed or it went away
             self.engine.cancel(generation)
             raise
@@ -135,25 +194,51 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
-        """Streams each sample as one chunk when it finishes (all its tokens, its finish
-        reason). Token-by-token increments come with issue 4."""
-        generation, queue = await self._submit(request, context)
+        """Streams each sample's new tokens as they are sampled: whatever arrived since the last
+        chunk goes out as one chunk per sample; a sample's last chunk carries its finish reason."""
+        generation, queue = await self._submit(request, context, stream=True)
+        streamed: dict[int, int] = {}
+        finished = 0
         try:
-            for _ in range(generation.config.n):
-                completion = await queue.get()
-                yield rollout_pb2.GenerateChunk(
-                    request_id=generation.request_id,
-                    index=completion.index,
-                    token_ids=completion.token_ids,
-                    logprobs=completion.logprobs,
-                    policy_versions=completion.policy_versions,
-                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                    engine_id=self.info.engine_id,
-                    error=completion.error,
-                )
+            while finished < generation.config.n:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for chunk in self._chunks(generation.request_id, items, streamed):
+                    finished += chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    yield chunk
         except asyncio.CancelledError:
             self.engine.cancel(generation)
             raise
+
+    def _chunks(
+        self, request_id: str, items: list[Completion | TokenIncrement], streamed: dict[int, int]
+    ) -> list[rollout_pb2.GenerateChunk]:
+        """Chunks for a run of increments and completions, in order, one open chunk per sample."""
+        chunks: list[rollout_pb2.GenerateChunk] = []
+        open_chunks: dict[int, rollout_pb2.GenerateChunk] = {}
+        for item in items:
+            chunk = open_chunks.get(item.index)
+            if chunk is None:
+                chunk = rollout_pb2.GenerateChunk(
+                    request_id=request_id, index=item.index, engine_id=self.info.engine_id
+                )
+                open_chunks[item.index] = chunk
+                chunks.append(chunk)
+            if isinstance(item, TokenIncrement):
+                chunk.token_ids.append(item.token)
+                chunk.logprobs.append(item.logprob)
+                chunk.policy_versions.append(item.version)
+                streamed[item.index] = streamed.get(item.index, 0) + 1
+                continue
+            done = streamed.get(item.index, 0)  # tokens the increments did not carry (none, usually)
+            chunk.token_ids.extend(item.token_ids[done:])
+            chunk.logprobs.extend(item.logprobs[done:])
+            chunk.policy_versions.extend(item.policy_versions[done:])
+            chunk.finish_reason = item.finish_reason  # type: ignore[assignment]
+            chunk.error = item.error
+            del open_chunks[item.index]
+        return chunks
 
     async def LoadWeights(
         self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
@@ -242,12 +327,14 @@ class EngineApp:
             dtype=DTYPES[settings.dtype],
             max_batch_size=settings.max_batch_size,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
+            default_update_mode=settings.default_update_mode,
         )
         self.info = EngineInfoSource(settings, self.engine)
-        self.loader = WeightLoader(self.engine, settings.weight_load_timeout_s)
+        self.metrics = EngineMetrics(self.engine.status)
+        self.loader = MeteredWeightLoader(self.engine, settings.weight_load_timeout_s, self.metrics)
         self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)
         self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
-        self.servicer = RolloutServicer(self.engine, self.loader, self.info)
+        self.servicer = RolloutServicer(self.engine, self.loader, self.info, self.metrics)
         self.engine.start()
 
     @property
@@ -287,7 +374,8 @@ async def serve_engine(settings: EngineSettings) -> None:
         return
     app = EngineApp(settings, redis)
     try:
-        await serve(settings, app.register, background=app.run)
+        with serving_metrics(app.metrics, settings.host, settings.metrics_port, settings.metrics_enabled):
+            await serve(settings, app.register, background=app.run)
     finally:
         app.close()
         await redis.aclose()

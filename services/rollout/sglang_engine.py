@@ -26,6 +26,7 @@ from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.registry import EngineRegistry
 from services.rollout.engine import EngineStatus, WeightUpdate
+from services.rollout.metrics import EngineMetrics, serving_metrics
 from services.rollout.sampling import SamplingConfig
 from services.rollout.sglang_backend import SGLangBackend, Timeouts
 from services.rollout.sglang_protocol import SGLangError, SGLangHTTPError, SGLangWeightsError
@@ -119,9 +120,18 @@ class SGLangEngineView:
 class SGLangWeightLoader:
     """Verifies a checkpoint and has SGLang load it; one load at a time (a WeightLoader twin)."""
 
-    def __init__(self, engine: SGLangEngineView, timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine: SGLangEngineView,
+        timeout_s: float,
+        metrics: EngineMetrics | None = None,
+        default_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
+    ) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
+        self.metrics = metrics or EngineMetrics(engine.status)
+        self.default_mode = default_mode
+        """What a load that names no mode does to requests in flight (VERST_ENGINE_WEIGHT_UPDATE_MODE)."""
         self._lock = asyncio.Lock()
 
     async def load(
@@ -129,6 +139,13 @@ class SGLangWeightLoader:
     ) -> LoadReport:
         """Raises CheckpointError (bad uri, files, sha256, or refused by SGLang), TimeoutError,
         or ConnectionError (SGLang unreachable or failing)."""
+        return await self.metrics.observe_load(self._load(handle, mode, timeout_s))
+
+    async def _load(
+        self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None
+    ) -> LoadReport:
+        if mode == rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED:
+            mode = self.default_mode
         abort = mode == rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
         async with self._lock:
             started = time.monotonic()
@@ -171,6 +188,7 @@ class SGLangRolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.backend = view.backend
         self.loader = loader
         self.info = info
+        self.metrics = loader.metrics
 
     async def _generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -192,12 +210,13 @@ class SGLangRolloutServicer(rollout_pb2_grpc.RolloutServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
         request_id = request.request_id or f"req-{os.urandom(8).hex()}"
         try:
-            return request_id, await self.backend.generate(
-                request.prompt_token_ids, request.sampling, request_id
-            )
+            completions = await self.backend.generate(request.prompt_token_ids, request.sampling, request_id)
         except (ValueError, SGLangError) as err:
             await _abort_call(context, err)
             raise  # unreachable: abort raises
+        for completion in completions:  # no time to first token: SGLang answers once, at the end
+            self.metrics.completed(len(completion.token_ids), completion.finish_reason)
+        return request_id, completions
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -315,7 +334,10 @@ class SGLangEngineApp:
         self.backend = backend
         self.view = SGLangEngineView(backend)
         self.info = SGLangInfoSource(settings.engine_id, address, self.view)
-        self.loader = SGLangWeightLoader(self.view, settings.weight_load_timeout_s)
+        self.metrics = EngineMetrics(self.view.status)
+        self.loader = SGLangWeightLoader(
+            self.view, settings.weight_load_timeout_s, self.metrics, settings.default_update_mode
+        )
         self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)  # type: ignore[arg-type]
         self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
         self.servicer = SGLangRolloutServicer(self.view, self.loader, self.info)
@@ -368,6 +390,7 @@ async def serve_sglang_engine(settings: Any, redis: aioredis.Redis, address: str
         return
     app = SGLangEngineApp(settings, redis, backend, address)
     try:
-        await serve(settings, app.register, background=app.run)
+        with serving_metrics(app.metrics, settings.host, settings.metrics_port, settings.metrics_enabled):
+            await serve(settings, app.register, background=app.run)
     finally:
         await app.close()

@@ -265,3 +265,20 @@ async def test_a_signal_during_startup_abandons_it(monkeypatch: pytest.MonkeyPat
     with pytest.raises(asyncio.CancelledError):
         await start_cancellable(SGLangEngineConfig(urls=("http://sglang.test",), startup_timeout_s=30.0))
     assert time.monotonic() - started < 5.0 and closed == [True]
+
+
+async def test_a_load_naming_no_mode_uses_the_configured_default(tmp_path: Path) -> None:
+    """VERST_ENGINE_WEIGHT_UPDATE_MODE=abort: the watcher's loads (mode unspecified) abort in flight."""
+    calls: list[bool] = []
+
+    async def load_weights(path: Path, version: int, *, abort_inflight: bool) -> None:
+        calls.append(abort_inflight)
+
+    backend = SimpleNamespace(load_weights=load_weights, status=lambda: SimpleNamespace(running_requests=3))
+    view = SimpleNamespace(backend=backend, loading=0, job_id="", model_dir="", status=lambda: None)
+    abort = rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
+    loader = SGLangWeightLoader(view, 5.0, default_mode=abort)  # type: ignore[arg-type]
+    report = await loader.load(checkpoint(tmp_path), rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED)
+    assert (calls, report.update.mode, report.update.aborted_requests) == ([True], abort, 3)
+    keep = await loader.load(checkpoint(tmp_path), rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
+    assert calls == [True, False] and keep.update.aborted_requests == 0

@@ -307,3 +307,18 @@ async def test_bad_requests_are_invalid_argument(
         await generate(engine, prompt, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (err.value.details() or "")
+
+
+async def test_a_stream_sends_tokens_as_they_are_sampled(engine: RunningEngine) -> None:
+    """Increments per sample while it decodes; joined up they equal the unary reply (same seed)."""
+    request = generate_request(PROMPTS[0], temperature=1.0, n=2, seed=42, max_new_tokens=60, ignore_eos=True)
+    chunks = [chunk async for chunk in engine.stub.GenerateStream(request, timeout=30)]
+    unary = await engine.stub.Generate(request, timeout=30)
+    for completion in unary.completions:
+        mine = [c for c in chunks if c.index == completion.index]
+        assert len(mine) > 1  # not one chunk at the end
+        assert [c.finish_reason for c in mine] == [0] * (len(mine) - 1) + [LENGTH]
+        assert [t for c in mine for t in c.token_ids] == list(completion.token_ids)
+        assert [lp for c in mine for lp in c.logprobs] == pytest.approx(list(completion.logprobs), abs=1e-5)
+        assert [v for c in mine for v in c.policy_versions] == list(completion.policy_versions)
+        assert {(c.engine_id, c.request_id) for c in mine} == {("engine-test", request.request_id)}
