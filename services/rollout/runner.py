@@ -4,7 +4,8 @@
 running jobs from the job store and keeps one consumer loop per job on
 ``verst:job:{id}:prompts`` (group "runners"). Up to ``max_concurrent_groups``
 tasks are in flight at once, over all jobs. For each task it asks the router
-for the group's n samples, scores them in one ScoreBatch, publishes the
+for the group's n samples, resumes the samples that came back aborted (partial
+rollout, see ``runner_group``), scores them in one ScoreBatch, publishes the
 group's Trajectories in one ``publish_many``, and only then acks the task. A
 task whose service call failed stays pending and is retried after it is
 reclaimed; a task the engine refused (INVALID_ARGUMENT) is dead-lettered.
@@ -203,6 +204,8 @@ class Runner:
             request_timeout_s=spec.rollout.request_timeout_s,
             reward_timeout_s=spec.reward.timeout_s,
             retry_s=self.settings.retry_s,
+            max_resumes=self.settings.max_resumes,
+            serving=lambda: not loop.stop.is_set(),
         )
 
     async def _load_tokenizer(self, loop: JobLoop) -> Any:

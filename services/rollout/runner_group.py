@@ -6,10 +6,23 @@ dead-letters it) and ``RetryLaterError`` (a service is down or misbehaved: the
 task stays pending and is retried when it is reclaimed). Transient gRPC
 failures (UNAVAILABLE, "no weights loaded", ...) are first retried here with
 backoff for up to ``retry_s``.
+
+Partial rollout: a sample that comes back FINISH_REASON_ABORT (a weight update in
+abort mode, an Abort, a Pause that aborts) keeps its tokens, and is resumed on its
+own: a Generate of one sample whose prompt is the task prompt plus the partial
+response (``resume_offset`` marks where the response starts), with the budget
+that is left and the same sampling (a derived seed when the task had one). The
+new tokens, logprobs and policy versions are appended, so every token keeps the
+version that produced it. Aborted samples of a group resume concurrently, each
+at most ``max_resumes`` times; one still aborted after that is published as it
+is (finish reason ABORT, its tokens so far are valid training data), because
+holding the whole group back would stall the trainer for one sample.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +63,10 @@ class GroupClients:
     request_timeout_s: float
     reward_timeout_s: float
     retry_s: float
+    max_resumes: int
+    """Resumes of one aborted sample; 0 publishes it aborted at once."""
+    serving: Callable[[], bool]
+    """False once the job is no longer served here (it stopped, the runner stops): no more resumes."""
 
 
 def _is_transient(error: BaseException) -> bool:
@@ -85,10 +102,10 @@ def check_task(task: common_pb2.PromptTask, job_id: str) -> None:
         raise InvalidTaskError(f"n_samples is {task.n_samples}; it must be >= 1")
 
 
-def _check_completions(task: common_pb2.PromptTask, reply: rollout_pb2.GenerateResponse) -> None:
+def _check_completions(n_samples: int, reply: rollout_pb2.GenerateResponse) -> None:
     indices = sorted(c.index for c in reply.completions)
-    if indices != list(range(task.n_samples)):
-        raise RetryLaterError(f"router returned samples {indices} for n_samples={task.n_samples}")
+    if indices != list(range(n_samples)):
+        raise RetryLaterError(f"router returned samples {indices} for n_samples={n_samples}")
     for c in reply.completions:
         if not len(c.token_ids) == len(c.logprobs) == len(c.policy_versions):
             raise RetryLaterError(
@@ -97,8 +114,32 @@ def _check_completions(task: common_pb2.PromptTask, reply: rollout_pb2.GenerateR
             )
 
 
+@dataclass(slots=True)
+class Sample:
+    """One sample of a group as it grows across resumes."""
+
+    completion: rollout_pb2.Completion
+    """Every token so far, with its logprob and policy version; how the last piece ended."""
+    engine_id: str
+    """The engine that generated the last piece."""
+    resumes: int = 0
+
+
+async def _generate(
+    request: rollout_pb2.GenerateRequest, clients: GroupClients
+) -> rollout_pb2.GenerateResponse:
+    n_samples = max(1, request.sampling.n)
+    reply = await _call(
+        "router Generate",
+        clients.retry_s,
+        lambda: clients.router.Generate(request, timeout=clients.request_timeout_s),
+    )
+    _check_completions(n_samples, reply)
+    return reply
+
+
 async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> list[common_pb2.Trajectory]:
-    """One Trajectory per sample of ``task`` (sample order), with rewards."""
+    """One Trajectory per sample of ``task`` (sample order), aborted samples resumed, with rewards."""
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(task.sampling)
     sampling.n = task.n_samples
@@ -109,19 +150,81 @@ async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> 
         session_id=task.group_id,
         job_id=task.job_id,
     )
-    reply = await _call(
-        "router Generate",
-        clients.retry_s,
-        lambda: clients.router.Generate(request, timeout=clients.request_timeout_s),
-    )
-    _check_completions(task, reply)
-    completions = sorted(reply.completions, key=lambda c: c.index)
+    reply = await _generate(request, clients)
+    samples = [Sample(c, reply.engine_id) for c in sorted(reply.completions, key=lambda c: c.index)]
+    await _resume_all(task, samples, clients)
+    completions = [sample.completion for sample in samples]
     texts = [clients.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
     scores = await _score(task, completions, texts, clients)
-    return [
-        _trajectory(task, completion, score, reply.engine_id)
-        for completion, score in zip(completions, scores, strict=True)
+    return [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
+
+
+async def _resume_all(task: common_pb2.PromptTask, samples: list[Sample], clients: GroupClients) -> None:
+    """Resume the aborted samples concurrently; the first failure cancels the others."""
+    resuming = [
+        asyncio.create_task(
+            _resume(task, sample, clients), name=f"resume {task.prompt_id}:{sample.completion.index}"
+        )
+        for sample in samples
+        if sample.completion.finish_reason == common_pb2.FINISH_REASON_ABORT
     ]
+    try:
+        await asyncio.gather(*resuming)
+    except BaseException:
+        for pending in resuming:
+            pending.cancel()
+        await asyncio.gather(*resuming, return_exceptions=True)
+        raise
+
+
+def resume_seed(seed: int, index: int, resume: int) -> int:
+    """The seed of resume ``resume`` of sample ``index`` of a task seeded ``seed``: reproducible,
+    and distinct from the seeds of the other samples and resumes (a non-negative int64)."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{resume}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+async def _resume(task: common_pb2.PromptTask, sample: Sample, clients: GroupClients) -> None:
+    """Continue ``sample`` while it comes back aborted, at most ``max_resumes`` times."""
+    completion = sample.completion
+    while (
+        completion.finish_reason == common_pb2.FINISH_REASON_ABORT
+        and not completion.error
+        and sample.resumes < clients.max_resumes
+        and clients.serving()
+    ):
+        left = task.sampling.max_new_tokens - len(completion.token_ids)
+        if left <= 0:  # aborted after its last token: nothing is missing
+            completion.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            return
+        sample.resumes += 1
+        reply = await _generate(_resume_request(task, sample, left), clients)
+        [more] = reply.completions
+        completion.token_ids.extend(more.token_ids)
+        completion.logprobs.extend(more.logprobs)
+        completion.policy_versions.extend(more.policy_versions)
+        completion.finish_reason = more.finish_reason
+        completion.error = more.error
+        sample.engine_id = reply.engine_id
+
+
+def _resume_request(task: common_pb2.PromptTask, sample: Sample, left: int) -> rollout_pb2.GenerateRequest:
+    """One sample: the task prompt + the partial response, with the budget that is left."""
+    index = sample.completion.index
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(task.sampling)
+    sampling.n = 1
+    sampling.max_new_tokens = left
+    if task.sampling.HasField("seed"):  # the task's seed would replay sample 0's stream
+        sampling.seed = resume_seed(task.sampling.seed, index, sample.resumes)
+    return rollout_pb2.GenerateRequest(
+        request_id=f"{task.prompt_id}:{index}:resume{sample.resumes}",
+        prompt_token_ids=[*task.prompt_token_ids, *sample.completion.token_ids],
+        sampling=sampling,
+        session_id=task.group_id,  # the same engine likely holds the group's prefix
+        job_id=task.job_id,
+        resume_offset=len(task.prompt_token_ids),
+    )
 
 
 async def _score(
@@ -160,10 +263,10 @@ async def _score(
 
 def _trajectory(
     task: common_pb2.PromptTask,
-    completion: rollout_pb2.Completion,
+    sample: Sample,
     score: reward_pb2.ScoreResponse,
-    engine_id: str,
 ) -> common_pb2.Trajectory:
+    completion = sample.completion
     error = f"generation failed: {completion.error}" if completion.error else score.error
     trajectory = common_pb2.Trajectory(
         id=f"{task.prompt_id}:{completion.index}",
@@ -183,8 +286,8 @@ def _trajectory(
         finish_reason=completion.finish_reason,
         num_turns=1,
         split=task.split or common_pb2.SPLIT_TRAIN,
-        engine_id=engine_id,
-        metadata={"task_policy_version": str(task.policy_version)},
+        engine_id=sample.engine_id,
+        metadata={"task_policy_version": str(task.policy_version), "resumes": str(sample.resumes)},
     )
     trajectory.created_at.GetCurrentTime()
     return trajectory

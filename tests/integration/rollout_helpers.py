@@ -15,10 +15,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from services.common.bus import Bus, connect
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
+from services.common.registry import EngineRegistry
 from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.config import EngineSettings
 from services.rollout.server import EngineApp
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
+from services.router.config import RouterSettings
+from services.router.server import Router
 from tests.helpers import eventually, serve
 
 VOCAB = 100
@@ -157,6 +160,44 @@ async def start_engine(redis_url: str, **overrides: object) -> RunningEngine:
         address=address,
         redis=redis,
     )
+
+
+@dataclass
+class ServedRouter:
+    """A router served in this process on a loopback port, with its background work."""
+
+    router: Router
+    server: grpc.aio.Server
+    address: str
+    stop_event: asyncio.Event
+    background: asyncio.Task[None]
+    redis: aioredis.Redis
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        await self.background
+        await self.server.stop(None)
+        await self.router.close()
+        await self.redis.aclose()
+
+
+async def serve_router(redis_url: str, **overrides: object) -> ServedRouter:
+    """A router with a Redis client of its own, as in its own process; it sees engines fast."""
+    port = free_port()
+    values: dict[str, object] = {
+        "port": port,
+        "redis_url": redis_url,
+        "engine_ttl_s": 1.0,
+        "refresh_s": 0.1,
+        "default_timeout_s": 20,
+        **overrides,
+    }
+    settings = RouterSettings(**values)  # type: ignore[arg-type]
+    redis = connect(redis_url)
+    router = Router(settings, EngineRegistry(redis))
+    server, address = await serve(router.register, port)
+    stop = asyncio.Event()
+    return ServedRouter(router, server, address, stop, asyncio.create_task(router.run(stop)), redis)
 
 
 def generate_request(

@@ -401,3 +401,122 @@ async def test_a_long_rollout_is_kept_alive_and_not_handed_out_twice(
     await asyncio.sleep(0.5)
     assert len(fake_router.requests) == 1, "renewed while in flight, so never reclaimed"
     assert await bus.redis.xlen(job.streams.trajectories) == 4
+
+
+class PartialRouter(FakeRouter):
+    """Every sample's response is the right answer and EOS. A fresh request is aborted after one
+    token; a resume (resume_offset > 0) continues from the partial tokens in its prompt, under
+    the next version, to the end, or for one more token and aborted again (``abort_resumes``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.abort_resumes = False
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> rollout_pb2.GenerateResponse:
+        self.requests.append(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        prompt = list(request.prompt_token_ids)
+        offset = request.resume_offset or len(prompt)
+        text = self.tokenizer.decode(prompt[:offset], skip_special_tokens=True)
+        full = [*self.tokenizer(self.answer(text, 0, greedy=False))["input_ids"], EOS]
+        done = len(prompt) - offset
+        resumed = request.resume_offset > 0
+        end = done + 1 if not resumed or self.abort_resumes else len(full)
+        finish = common_pb2.FINISH_REASON_STOP if end == len(full) else common_pb2.FINISH_REASON_ABORT
+        completions = [
+            rollout_pb2.Completion(
+                index=index,
+                token_ids=full[done:end],
+                logprobs=[logprob(0, p) for p in range(done, end)],
+                policy_versions=[self.version + resumed] * (end - done),
+                finish_reason=finish,
+            )
+            for index in range(request.sampling.n or 1)
+        ]
+        return rollout_pb2.GenerateResponse(
+            request_id=request.request_id, completions=completions, engine_id=ENGINE_ID
+        )
+
+
+@pytest.fixture
+async def partial_router(tokenizer: Any) -> AsyncIterator[tuple[PartialRouter, str]]:
+    fake = PartialRouter(tokenizer)
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(fake, s))
+    yield fake, address
+    await server.stop(None)
+
+
+async def test_aborted_samples_are_resumed_from_their_partial_tokens(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    partial_router: tuple[PartialRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    from services.rollout.runner_group import resume_seed
+
+    fake_router, router_address = partial_router
+    fake_router.version, fake_router.delay_s = 3, 0.2
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    task = job.task(0, "47+85=", "231")
+    task.sampling.seed = 11
+    await bus.publish(job.streams.prompts, task)
+    await runner_for(router_address=router_address, reward_address=reward[1])
+
+    await eventually(lambda: _count(bus, job.job_id, 4), what="4 trajectories")
+    full = [*tokenizer("231")["input_ids"], EOS]
+    for i, t in enumerate(await trajectories(bus, job.job_id)):
+        assert (t.sample_index, t.finish_reason) == (i, common_pb2.FINISH_REASON_STOP)
+        assert list(t.prompt_token_ids) == list(task.prompt_token_ids), "the task prompt, not the resume's"
+        assert list(t.response_token_ids) == full and t.reward == 1.0
+        assert list(t.behaviour_logprobs) == pytest.approx([logprob(0, p) for p in range(len(full))])
+        assert list(t.policy_versions) == [3] + [4] * (len(full) - 1), "each token keeps its version"
+        assert t.metadata["resumes"] == "1"
+    first, *resumes = fake_router.requests
+    assert first.resume_offset == 0 and first.sampling.n == 4
+    assert fake_router.max_in_flight == 4, "the four resumes ran concurrently"
+    assert sorted(r.request_id for r in resumes) == [f"{task.prompt_id}:{i}:resume1" for i in range(4)]
+    seeds = {r.request_id: r.sampling.seed for r in resumes}
+    assert seeds == {f"{task.prompt_id}:{i}:resume1": resume_seed(11, i, 1) for i in range(4)}
+    assert len(set(seeds.values()) | {11}) == 5, "a distinct seed per sample and resume"
+    for r in resumes:
+        assert list(r.prompt_token_ids) == [*task.prompt_token_ids, full[0]]
+        assert r.resume_offset == len(task.prompt_token_ids)
+        assert (r.sampling.n, r.sampling.max_new_tokens, r.sampling.temperature) == (1, 7, 1.0)
+        assert (r.session_id, r.job_id) == (task.group_id, job.job_id), "same affinity and job"
+
+
+async def test_a_sample_still_aborted_after_max_resumes_is_published_aborted(
+    bus: Bus,
+    tokenizer: Any,
+    tokenizer_dir: Path,
+    partial_router: tuple[PartialRouter, str],
+    reward: tuple[FakeReward, str],
+    runner_for: Callable[..., Awaitable[Runner]],
+) -> None:
+    fake_router, router_address = partial_router
+    fake_router.abort_resumes = True
+    job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
+    task = job.task(0, "47+85=", "231")
+    await bus.publish(job.streams.prompts, task)
+    await runner_for(router_address=router_address, reward_address=reward[1], max_resumes=2)
+
+    await eventually(lambda: _count(bus, job.job_id, 4), what="4 trajectories")
+    await eventually(lambda: _is_zero(job.pending()), what="the ack")
+    full = [*tokenizer("231")["input_ids"], EOS]
+    for t in await trajectories(bus, job.job_id):
+        assert t.finish_reason == common_pb2.FINISH_REASON_ABORT and t.metadata["resumes"] == "2"
+        assert list(t.response_token_ids) == full[:3] and list(t.policy_versions) == [0, 1, 1]
+        assert len(t.behaviour_logprobs) == 3 and t.reward_error == ""
+    resumes = fake_router.requests[1:]
+    assert len(resumes) == 8, "two resumes per sample, then it is published as it is"
+    assert sorted(r.sampling.max_new_tokens for r in resumes) == [6] * 4 + [7] * 4
+    assert all(not r.sampling.HasField("seed") for r in resumes), "no seed when the task had none"
