@@ -97,6 +97,95 @@ def ppo_clip(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLoss
     return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl, tokens=tokens)
 
 
+GSPO_CLIP_LOW = 3e-4
+"""GSPO's lower clip range on the sequence ratio (the paper's 3e-4; a sequence ratio moves far
+less than a token ratio, so PPO's 0.2 would rarely clip)."""
+GSPO_CLIP_HIGH = 4e-4
+"""GSPO's upper clip range on the sequence ratio (the paper's 4e-4)."""
+
+
+@register_policy_loss("gspo")
+def gspo(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025) with the paper's clip ranges; ``gspo_token`` has the formula."""
+    return gspo_token(inputs, GSPO_CLIP_LOW, GSPO_CLIP_HIGH)
+
+
+def gspo_token(inputs: PolicyLossInputs, clip_low: float, clip_high: float) -> PolicyLossOutput:
+    """GSPO in its GSPO-token form (Zheng et al. 2025, "Group Sequence Policy Optimization").
+
+    Sequence ratio s_i = exp(mean_t(logp_new - logp_old)) over the sample's masked tokens; token
+    ratio s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)], equal to s_i in value, with gradient
+    s_i * grad log pi(y_it); token loss -min(s_it A_it, clip(s_it, 1 - low, 1 + high) A_it).
+    With one advantage per sample and per-sample weights, the weighted sum equals, in value and
+    gradient, the sequence-level objective sum_i W_i * -min(s_i A_i, clip(s_i) A_i), W_i the
+    sample's total weight: ``sequence_mean`` aggregation gives the paper's 1/G sum_i. No dual-clip.
+    """
+    mask = inputs.mask
+    log_ratio = torch.where(mask, inputs.logprobs - inputs.behaviour_logprobs, 0.0)
+    counts = mask.sum(dim=1, keepdim=True)
+    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / counts.clamp(min=1)
+    logprobs = torch.where(mask, inputs.logprobs, 0.0)
+    token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    ratio = torch.exp(token_log_ratio)
+    unclipped_loss = -ratio * inputs.advantages
+    clipped_loss = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * inputs.advantages
+    token_loss = torch.maximum(unclipped_loss, clipped_loss)
+    loss = (token_loss * torch.where(mask, inputs.weights, 0.0)).sum()
+    with torch.no_grad():
+        tokens = int(mask.sum())
+        clip_active = (clipped_loss > unclipped_loss) & mask
+        kl = torch.where(mask, torch.expm1(log_ratio) - log_ratio, 0.0)
+        clip_fraction = float(clip_active.sum()) / tokens if tokens else 0.0
+        approx_kl = float(kl.sum()) / tokens if tokens else 0.0
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl, tokens=tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueLossInputs:
+    """Per-token tensors, all ``[batch, tokens]`` and aligned."""
+
+    values: torch.Tensor
+    """The critic's current predictions (carry the gradient)."""
+    old_values: torch.Tensor
+    """The critic's predictions when the advantages were computed."""
+    returns: torch.Tensor
+    """Targets: advantages.TokenAdvantages.returns."""
+    mask: torch.Tensor
+    """bool: the tokens that count."""
+    weights: torch.Tensor
+    """Aggregation weight of each token, as for the policy loss."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValueLossOutput:
+    loss: torch.Tensor
+    """Scalar: the weighted sum of the token losses."""
+    clip_fraction: float
+    """Share of masked tokens whose clipped error was the larger."""
+    tokens: int
+
+
+def value_loss(inputs: ValueLossInputs, clip_range: float | None) -> ValueLossOutput:
+    """PPO's clipped value loss (Schulman et al. 2017; OpenAI baselines ppo2): per token
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2), weighted and summed
+    like the policy loss. ``clip_range`` None: the plain 0.5 (V - R)^2."""
+    mask = inputs.mask
+    values = torch.where(mask, inputs.values, 0.0)
+    returns = torch.where(mask, inputs.returns, 0.0)
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        clipped = unclipped
+    else:
+        old = torch.where(mask, inputs.old_values, 0.0)
+        clipped = (old + torch.clamp(values - old, -clip_range, clip_range) - returns) ** 2
+    token_loss = 0.5 * torch.maximum(unclipped, clipped)
+    loss = (token_loss * torch.where(mask, inputs.weights, 0.0)).sum()
+    with torch.no_grad():
+        tokens = int(mask.sum())
+        active = int(((clipped > unclipped) & mask).sum())
+    return ValueLossOutput(loss=loss, clip_fraction=active / tokens if tokens else 0.0, tokens=tokens)
+
+
 def sample_token_weights(loss_tokens: Sequence[int], aggregation: str, constant: int) -> list[float]:
     """The weight of each loss token of each sample, so that the weighted sum of token
     losses over the rollout batch is its aggregated loss.

@@ -3,6 +3,7 @@ and collation, and that accumulating over micro-batches gives the full-batch gra
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -11,7 +12,16 @@ import torch
 
 from services.common.config import AlgorithmConfig
 from services.trainer.batching import TrainSample, collate, pack_micro_batches, token_logprobs
-from services.trainer.losses import PolicyLossInputs, get_policy_loss, sample_token_weights
+from services.trainer.losses import (
+    GSPO_CLIP_HIGH,
+    GSPO_CLIP_LOW,
+    PolicyLossInputs,
+    ValueLossInputs,
+    get_policy_loss,
+    gspo_token,
+    sample_token_weights,
+    value_loss,
+)
 
 
 def random_inputs(seed: int, rows: int = 4, cols: int = 9) -> PolicyLossInputs:
@@ -87,8 +97,8 @@ def test_with_ratio_one_the_loss_is_minus_the_mean_advantage() -> None:
 
 
 def test_unknown_policy_loss_names_the_available_ones() -> None:
-    with pytest.raises(ValueError, match=r"'gspo' is not available.*ppo_clip"):
-        get_policy_loss("gspo")
+    with pytest.raises(ValueError, match=r"'cispo' is not available.*gspo, ppo_clip"):
+        get_policy_loss("cispo")
 
 
 def test_sample_token_weights_aggregate_as_named() -> None:
@@ -189,3 +199,179 @@ def test_micro_batch_gradients_add_up_to_the_full_batch_gradient(aggregation: st
     assert packed_loss == pytest.approx(full_loss, abs=1e-6)
     for a, b in zip(full, packed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# --- GSPO ---------------------------------------------------------------------------------------
+
+
+def sequence_inputs(
+    seed: int, spread: float, aggregation: str, rows: int = 6, cols: int = 10
+) -> PolicyLossInputs:
+    """Ragged rows with holes, one advantage per sample, per-sample weights of ``aggregation``."""
+    rng = random.Random(seed)
+    mask_rows = []
+    for _ in range(rows):
+        length = rng.randint(1, cols)
+        mask_rows.append([j < length and (j == 0 or rng.random() > 0.2) for j in range(cols)])
+    mask = torch.tensor(mask_rows)
+    behaviour = torch.tensor([[-rng.uniform(0.1, 3.0) for _ in range(cols)] for _ in range(rows)])
+    # A per-sample drift plus per-token noise, so some sequence ratios leave the clip range.
+    drift = [rng.uniform(-spread, spread) for _ in range(rows)]
+    shift = torch.tensor([[d + rng.uniform(-spread, spread) for _ in range(cols)] for d in drift])
+    logprobs = torch.where(mask, behaviour.double() + shift.double(), torch.tensor(1e4, dtype=torch.float64))
+    per_sample = [rng.choice([-1.0, 1.0]) * rng.uniform(0.2, 2.0) for _ in range(rows)]
+    advantages = torch.tensor(per_sample, dtype=torch.float64)[:, None].expand(rows, cols).clone()
+    sample_weights = sample_token_weights([sum(r) for r in mask_rows], aggregation, cols)
+    weights = torch.tensor(sample_weights, dtype=torch.float64)[:, None] * mask.double()
+    return PolicyLossInputs(logprobs, behaviour.double(), advantages, mask, weights)
+
+
+def gspo_reference(inputs: PolicyLossInputs, low: float, high: float) -> tuple[float, float]:
+    """sum_i W_i * -min(s_i A_i, clip(s_i) A_i), s_i = exp(mean log-ratio), and the clipped token share."""
+    total, clipped_tokens, tokens = 0.0, 0, 0
+    for i in range(inputs.mask.shape[0]):
+        steps = [j for j in range(inputs.mask.shape[1]) if inputs.mask[i, j]]
+        log_ratios = [float(inputs.logprobs[i, j] - inputs.behaviour_logprobs[i, j]) for j in steps]
+        s = math.exp(sum(log_ratios) / len(steps))
+        adv = float(inputs.advantages[i, steps[0]])
+        bounded = min(max(s, 1 - low), 1 + high)
+        total += sum(float(inputs.weights[i, j]) for j in steps) * -min(s * adv, bounded * adv)
+        clipped_tokens += len(steps) * int(-bounded * adv > -s * adv)
+        tokens += len(steps)
+    return total, clipped_tokens / tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+@pytest.mark.parametrize(("low", "high", "spread"), [(0.2, 0.28, 0.8), (GSPO_CLIP_LOW, GSPO_CLIP_HIGH, 2e-3)])
+def test_gspo_matches_the_sequence_level_formula(
+    seed: int, aggregation: str, low: float, high: float, spread: float
+) -> None:
+    inputs = sequence_inputs(seed, spread, aggregation)
+    out = gspo_token(inputs, low, high)
+    loss, clip_fraction = gspo_reference(inputs, low, high)
+    assert float(out.loss) == pytest.approx(loss, abs=1e-6)
+    assert out.clip_fraction == pytest.approx(clip_fraction, abs=1e-6)
+    assert out.tokens == int(inputs.mask.sum())
+    assert 0 < out.clip_fraction < 1  # some sequences clip, some do not
+
+
+def test_registered_gspo_uses_the_papers_clip_ranges() -> None:
+    inputs = sequence_inputs(4, 2e-3, "sequence_mean")
+    out = get_policy_loss("gspo")(inputs, AlgorithmConfig(clip_low=0.2, clip_high=0.2))
+    assert float(out.loss) == pytest.approx(gspo_reference(inputs, 3e-4, 4e-4)[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_gspo_token_gradient_equals_the_sequence_objectives(seed: int, aggregation: str) -> None:
+    inputs = sequence_inputs(seed, 0.8, aggregation)
+    low, high = 0.2, 0.28
+    token_lp = inputs.logprobs.clone().requires_grad_(True)
+    out = gspo_token(
+        PolicyLossInputs(token_lp, inputs.behaviour_logprobs, inputs.advantages, inputs.mask, inputs.weights),
+        low,
+        high,
+    )
+    out.loss.backward()
+    # The sequence-level objective, differentiated through s_i = exp(mean_t log-ratio) directly.
+    seq_lp = inputs.logprobs.clone().requires_grad_(True)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(inputs.mask.shape[0]):
+        steps = inputs.mask[i].nonzero().flatten()
+        s = torch.exp((seq_lp[i, steps] - inputs.behaviour_logprobs[i, steps]).mean())
+        adv = inputs.advantages[i, steps[0]]
+        term = -torch.minimum(s * adv, torch.clamp(s, 1 - low, 1 + high) * adv)
+        total = total + inputs.weights[i, steps].sum() * term
+    total.backward()
+    assert token_lp.grad is not None and seq_lp.grad is not None
+    assert seq_lp.grad.abs().sum() > 0  # not every sequence clipped
+    torch.testing.assert_close(token_lp.grad, seq_lp.grad, rtol=0, atol=1e-9)
+
+
+# --- value loss ---------------------------------------------------------------------------------
+
+
+def value_inputs(seed: int) -> ValueLossInputs:
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    values = old + (torch.rand(4, 8, generator=gen, dtype=torch.float64) - 0.5)
+    returns = torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    mask = torch.rand(4, 8, generator=gen) > 0.3
+    mask[0, 0] = True
+    values = torch.where(mask, values, torch.tensor(float("nan"), dtype=torch.float64))
+    return ValueLossInputs(values, old, returns, mask, mask.double() / mask.sum())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("clip_range", [None, 0.2, 0.05])
+def test_value_loss_matches_the_clipped_formula(seed: int, clip_range: float | None) -> None:
+    inputs = value_inputs(seed)
+    out = value_loss(inputs, clip_range)
+    losses, clipped = [], 0
+    for i in range(4):
+        for j in range(8):
+            if not inputs.mask[i, j]:
+                continue
+            v, old, ret = (float(x[i, j]) for x in (inputs.values, inputs.old_values, inputs.returns))
+            unclipped = (v - ret) ** 2
+            bounded = (
+                (old + min(max(v - old, -clip_range), clip_range) - ret) ** 2 if clip_range else unclipped
+            )
+            losses.append(0.5 * max(unclipped, bounded))
+            clipped += int(bounded > unclipped)
+    assert float(out.loss) == pytest.approx(sum(losses) / len(losses), abs=1e-6)
+    assert out.clip_fraction == pytest.approx(clipped / len(losses), abs=1e-6)
+    assert (out.clip_fraction > 0) == (clip_range is not None)
+
+
+# --- each loss improves its objective under a few SGD steps ------------------------------------
+
+
+def sgd_losses(loss_of: object, param: torch.Tensor, steps: int = 5, lr: float = 0.5) -> list[float]:
+    param.requires_grad_(True)
+    optimiser = torch.optim.SGD([param], lr=lr)
+    seen = []
+    for _ in range(steps + 1):
+        optimiser.zero_grad()
+        loss = loss_of(param)  # type: ignore[operator]
+        seen.append(float(loss.detach()))
+        loss.backward()
+        optimiser.step()
+    return seen
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "gspo", "gspo_wide"])
+def test_policy_losses_improve_their_objective(loss_name: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 5, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, 5, (4, 6), generator=gen)
+    mask = torch.rand(4, 6, generator=gen) > 0.2
+    advantages = torch.tensor([1.0, -0.5, 0.8, -1.2], dtype=torch.float64)[:, None].expand(4, 6)
+    weights = mask.double() / mask.sum()
+
+    def logprobs_of(param: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(param, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+    behaviour = logprobs_of(logits).detach()
+
+    def objective(param: torch.Tensor) -> torch.Tensor:
+        inputs = PolicyLossInputs(logprobs_of(param), behaviour, advantages, mask, weights)
+        if loss_name == "gspo_wide":
+            return gspo_token(inputs, 0.2, 0.2).loss
+        return get_policy_loss(loss_name)(inputs, AlgorithmConfig()).loss
+
+    seen = sgd_losses(objective, logits.clone())
+    assert seen[-1] < seen[0]
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(seen))
+
+
+def test_value_loss_improves_its_objective() -> None:
+    inputs = value_inputs(1)
+    old = inputs.old_values.clone()
+
+    def objective(param: torch.Tensor) -> torch.Tensor:
+        return value_loss(ValueLossInputs(param, old, inputs.returns, inputs.mask, inputs.weights), 0.2).loss
+
+    seen = sgd_losses(objective, torch.where(inputs.mask, inputs.values, 0.0), lr=2.0)
+    assert seen[-1] < 0.8 * seen[0]

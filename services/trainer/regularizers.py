@@ -1,0 +1,223 @@
+"""Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``), the entropy of
+the policy, truncated importance sampling between engine and trainer, and staleness weights
+(``algorithm.stale_policy``). Each is a small function of per-token tensors.
+
+KL direction: the tokens were sampled from the policy pi, and the estimators
+estimate KL(pi || pi_ref) = E_{x ~ pi}[log pi(x) - log pi_ref(x)] from them,
+with the ratio r = pi_ref(x) / pi(x), so log r = logp_ref - logp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+KLEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_KL_ESTIMATORS: dict[str, KLEstimatorFn] = {}
+
+
+def register_kl_estimator(name: str) -> Callable[[KLEstimatorFn], KLEstimatorFn]:
+    """Make an estimator available as ``algorithm.kl_estimator: <name>``."""
+
+    def add(fn: KLEstimatorFn) -> KLEstimatorFn:
+        if name in _KL_ESTIMATORS:
+            raise ValueError(f"KL estimator {name!r} is registered twice")
+        _KL_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def get_kl_estimator(name: str) -> KLEstimatorFn:
+    """The estimator registered as ``name``; ValueError naming the available ones otherwise."""
+    try:
+        return _KL_ESTIMATORS[name]
+    except KeyError:
+        available = ", ".join(sorted(_KL_ESTIMATORS))
+        raise ValueError(
+            f"algorithm.kl_estimator {name!r} is not available in this trainer (available: {available})"
+        ) from None
+
+
+@register_kl_estimator("k1")
+def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 = -log r = logp - logp_ref (Schulman, "Approximating KL divergence", 2020): unbiased,
+    high variance, negative on some tokens."""
+    return logprobs - ref_logprobs
+
+
+@register_kl_estimator("k2")
+def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 (log r)^2 (Schulman 2020): biased, low variance, never negative."""
+    return 0.5 * (ref_logprobs - logprobs) ** 2
+
+
+@register_kl_estimator("k3")
+def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 = (r - 1) - log r (Schulman 2020): unbiased, low variance, never negative."""
+    log_r = ref_logprobs - logprobs
+    return torch.expm1(log_r) - log_r
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where(), not a product: padding may hold inf or nan.
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    estimator: str,
+    coef: float,
+) -> torch.Tensor:
+    """KL as a loss term: coef * sum(weights * k(logp, logp_ref)) over the mask; ``weights`` are
+    the aggregation weights of the policy loss (losses.sample_token_weights), so it aggregates
+    the same way. The gradient flows through ``logprobs``."""
+    per_token = get_kl_estimator(estimator)(_masked(logprobs, mask), _masked(ref_logprobs, mask))
+    return coef * (_masked(per_token, mask) * _masked(weights, mask)).sum()
+
+
+@torch.no_grad()
+def kl_reward_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str, coef: float
+) -> torch.Tensor:
+    """KL folded into the reward: -coef * k(logp, logp_ref) per token, 0 off the mask, no gradient.
+    ``logprobs`` are those of the policy that sampled (REINFORCE++ uses k1); pass the result as
+    ``advantages.TokenAdvantageInputs.token_rewards``."""
+    per_token = get_kl_estimator(estimator)(_masked(logprobs, mask), _masked(ref_logprobs, mask))
+    return _masked(-coef * per_token, mask)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v per position: [..., vocab] -> [...].
+    Both terms come from the max-shifted logits, so large logits neither overflow nor cancel."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
+    log_z = torch.logsumexp(shifted, dim=-1)
+    probs = torch.softmax(shifted, dim=-1)
+    return log_z - (probs * shifted).sum(dim=-1)
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """Entropy as a loss term: -coef * sum(weights * H) over the mask (minimising it raises H)."""
+    return -coef * (_masked(entropy, mask) * _masked(weights, mask)).sum()
+
+
+@dataclass(frozen=True, slots=True)
+class ImportanceWeights:
+    weights: torch.Tensor
+    """Per token: min(exp(logp_trainer_old - logp_behaviour), cap), no gradient; 0 off the mask."""
+    mismatch_kl: float
+    """k3 estimate of KL(behaviour || trainer), the mean over masked tokens: r - 1 - log r,
+    r = p_trainer / p_behaviour (the engine sampled the tokens)."""
+    capped_fraction: float
+    """Share of masked tokens whose ratio was above the cap."""
+    tokens: int
+    """Masked tokens, to combine means of several micro-batches."""
+
+
+@torch.no_grad()
+def truncated_importance_weights(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> ImportanceWeights:
+    """Truncated importance sampling (TIS) for the engine/trainer mismatch: the engine's logprobs
+    differ from the trainer's for the same weights (kernels, precision), so a token's loss is
+    reweighted by w = min(pi_trainer_old / pi_behaviour, cap), treated as a constant."""
+    if cap <= 0:
+        raise ValueError("the TIS cap must be > 0")
+    log_ratio = _masked(trainer_logprobs - behaviour_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    tokens = int(mask.sum())
+    kl = _masked(torch.expm1(log_ratio) - log_ratio, mask)
+    capped = mask & (ratio > cap)
+    return ImportanceWeights(
+        weights=_masked(torch.clamp(ratio, max=cap), mask),
+        mismatch_kl=float(kl.sum()) / tokens if tokens else 0.0,
+        capped_fraction=float(capped.sum()) / tokens if tokens else 0.0,
+        tokens=tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessWeights:
+    weights: list[float]
+    """Per sample: 1 within max_staleness; beyond, 0 (drop) or decay ** (lag - max_staleness)."""
+    keep: list[bool]
+    """Per sample: whether it is trained on at all."""
+    fresh: int
+    """Samples whose lag is within max_staleness."""
+    dropped: int
+    downweighted: int
+
+
+StalenessFn = Callable[[Sequence[int], int, float], StalenessWeights]
+
+_STALENESS: dict[str, StalenessFn] = {}
+
+
+def register_stale_policy(name: str) -> Callable[[StalenessFn], StalenessFn]:
+    """Make a policy available as ``algorithm.stale_policy: <name>``."""
+
+    def add(fn: StalenessFn) -> StalenessFn:
+        if name in _STALENESS:
+            raise ValueError(f"stale policy {name!r} is registered twice")
+        _STALENESS[name] = fn
+        return fn
+
+    return add
+
+
+def get_stale_policy(name: str) -> StalenessFn:
+    """The policy registered as ``name``; ValueError naming the available ones otherwise."""
+    try:
+        return _STALENESS[name]
+    except KeyError:
+        available = ", ".join(sorted(_STALENESS))
+        raise ValueError(
+            f"algorithm.stale_policy {name!r} is not available in this trainer (available: {available})"
+        ) from None
+
+
+def _stale(lags: Sequence[int], max_staleness: int) -> list[bool]:
+    if max_staleness < 0 or any(lag < 0 for lag in lags):
+        raise ValueError("version lags and max_staleness must be >= 0 (a sample cannot be newer)")
+    return [lag > max_staleness for lag in lags]
+
+
+@register_stale_policy("drop")
+def drop_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
+    """Samples whose version lag (trainer version - oldest token version) exceeds max_staleness
+    are dropped; the rest keep weight 1. ``decay`` is unused (same signature as downweight)."""
+    stale = _stale(lags, max_staleness)
+    dropped = sum(stale)
+    return StalenessWeights(
+        weights=[0.0 if s else 1.0 for s in stale],
+        keep=[not s for s in stale],
+        fresh=len(stale) - dropped,
+        dropped=dropped,
+        downweighted=0,
+    )
+
+
+@register_stale_policy("downweight")
+def downweight_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
+    """Samples beyond max_staleness stay, weighted decay ** (lag - max_staleness), so the
+    weight falls geometrically with every version past the allowed window."""
+    if not 0.0 < decay <= 1.0:
+        raise ValueError("the staleness decay must be in (0, 1]")
+    stale = _stale(lags, max_staleness)
+    weights = [decay ** (lag - max_staleness) if s else 1.0 for lag, s in zip(lags, stale, strict=True)]
+    downweighted = sum(stale)
+    return StalenessWeights(
+        weights=weights,
+        keep=[True] * len(stale),
+        fresh=len(stale) - downweighted,
+        dropped=0,
+        downweighted=downweighted,
+    )
