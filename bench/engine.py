@@ -1,7 +1,8 @@
 """Generated tokens/s of the torch rollout engine next to transformers' ``model.generate``.
 
-Both run in this process on the same model directory, the same prompts (left-padded) and the
-same sampling settings, one after the other within each repeat, at batch 1, 16 and 64, for
+The engine runs in this process, ``generate`` in a child process (so the two do not share
+OpenMP thread pools), on the same model directory, the same prompts and the same sampling
+settings, one after the other within each repeat, at batch 1, 16 and 64, for
 the builtin demo model and SmolLM2-135M-Instruct (see bench/engine_models.py):
 
 - verst: ``TorchEngine`` as the rollout server drives it: one ``GenerationRequest`` per
@@ -10,8 +11,9 @@ the builtin demo model and SmolLM2-135M-Instruct (see bench/engine_models.py):
   ``GenerateStats.time_to_first_token_s`` reports (``first_token_at - submitted_at``), the
   largest in the batch.
 - HF: ``generate(input_ids, attention_mask, do_sample=True, ..., output_scores=True,
-  return_dict_in_generate=True)`` then ``compute_transition_scores(normalize_logits=True)``,
-  so that it yields per-token logprobs too; "HF plain" is the same generate without scores.
+  return_dict_in_generate=True)`` on left-padded prompts, then
+  ``compute_transition_scores(normalize_logits=True)``, so that it yields per-token logprobs
+  too; "HF plain" is the same generate without scores.
   Its time to first token is a whole generate with ``max_new_tokens=1`` at that batch.
 
 Temperature 1.0 sampling (top-p 1, top-k 0, min-p 0), fixed seeds, float32 on the CPU, the
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.engine_models import MODELS, BenchModel
-from bench.engine_sides import EngineSide, HfSide, greedy_check, machine_info, sampling_configs
+from bench.engine_sides import EngineSide, HfProcess, greedy_check, machine_info, sampling_configs
 from bench.report import BUSY_MACHINE, CpuSample, update_results
 
 SECTION_TITLE = "## engine (bench/engine.py)"
@@ -52,22 +54,24 @@ MAX_REPEAT = 25
 T = TypeVar("T")
 DESCRIPTION = """
 Generated tokens/s of the torch rollout engine ("verst": `TorchEngine`, driven in-process as the
-rollout server drives it) next to transformers' `model.generate` ("HF"), in one process, on the
-same model directory, the same prompts (left-padded) and the same sampling settings; within each
-repeat the sides run one after the other (verst first in odd repeats, last in even ones).
+rollout server drives it) next to transformers' `model.generate` ("HF", in a child process of its
+own: in one process the two share OpenMP's thread pools, which slowed both sides 1.5 to 2x), on
+the same model directory, the same prompts and the same sampling settings; within each repeat
+the sides run one after the other (verst first in odd repeats, last in even ones).
 
 - verst: one `GenerationRequest` per prompt, submitted together (`max_batch_size` = the batch, so
   they form one batch), timed from the first submit to the last completion (token ids, per-token
   logprobs, policy versions). TTFT: `first_token_at - submitted_at`, what
   `GenerateStats.time_to_first_token_s` reports, the largest in the batch.
-- HF: `generate(input_ids, attention_mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-  max_new_tokens, pad_token_id, output_scores=True, return_dict_in_generate=True)`, then
+- HF: on left-padded prompts, `generate(input_ids, attention_mask, do_sample=True, temperature=1.0,
+  top_k=0, top_p=1.0, max_new_tokens, pad_token_id, output_scores=True, return_dict_in_generate=True)`, then
   `compute_transition_scores(normalize_logits=True)` for the per-token logprobs (the engine computes
   them, so a fair baseline must too). "HF plain": the same generate without scores. TTFT: a whole
   generate with `max_new_tokens=1` at that batch (with scores).
 - Sampling: temperature 1.0, top-p 1, top-k 0, min-p 0 on both sides (HF's scores are checked free of
   -inf, i.e. unfiltered), fixed seeds (verst: one per request; HF: `torch.manual_seed` before each
-  generate). The two draw differently (verst: an exponential race on each row's own generator; HF:
+  generate). The two draw differently (verst: one uniform per row from its own stream, inverted
+  through the row's CDF; HF:
   `torch.multinomial`), so the sampled tokens differ, but the work does not: every row gets exactly
   max_new_tokens new tokens, verst with `ignore_eos`, HF with no EOS id in its generation config.
 - Before the timed cases, a greedy cross-check runs the same prompts greedily on both sides: same
@@ -85,6 +89,7 @@ class Settings:
     min_seconds: float
     quiet_wait_s: float
     seed: int
+    compile: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +159,13 @@ def wait_for_quiet(limit_s: float, window_s: float = 1.0) -> float:
 
 
 def run_repeat(
-    engine: EngineSide, hf: HfSide, prompts: list[list[int]], new_tokens: int, seed: int, *, verst_first: bool
+    engine: EngineSide,
+    hf: HfProcess,
+    prompts: list[list[int]],
+    new_tokens: int,
+    seed: int,
+    *,
+    verst_first: bool,
 ) -> list[Timing]:
     """One repeat of a case: [verst, HF with logprobs, HF plain, HF with one new token].
 
@@ -176,7 +187,7 @@ def run_repeat(
     return [first or verst(), *timings]
 
 
-def warm_up(engine: EngineSide, hf: HfSide, prompts: list[list[int]], cfg: Settings) -> None:
+def warm_up(engine: EngineSide, hf: HfProcess, prompts: list[list[int]], cfg: Settings) -> None:
     """Uncounted generates at this batch, each side once per warm-up, with fewer new tokens."""
     ids, mask = hf.inputs(prompts)
     for k in range(cfg.warmup):
@@ -184,7 +195,7 @@ def warm_up(engine: EngineSide, hf: HfSide, prompts: list[list[int]], cfg: Setti
         hf.timed(ids, mask, cfg.warmup_tokens, scores=True, seed=k)
 
 
-def measure_case(engine: EngineSide, hf: HfSide, model: BenchModel, batch: int, cfg: Settings) -> Case:
+def measure_case(engine: EngineSide, hf: HfProcess, model: BenchModel, batch: int, cfg: Settings) -> Case:
     case = Case(model.name, batch, batch * cfg.max_new_tokens)
     prompts = model.prompts[:batch]
     warm_up(engine, hf, prompts, cfg)
@@ -227,15 +238,16 @@ class ModelReport:
 def measure_model(name: str, batches: Sequence[int], cfg: Settings) -> tuple[ModelReport, list[Case]]:
     model = MODELS[name](max(batches))
     print(f"{model.name}: {model.path}", flush=True)
-    engine = EngineSide(model.path)
-    hf = HfSide(model.path)
+    engine = EngineSide(model.path, compile_decode=cfg.compile)
+    hf = HfProcess(model.path, cfg.threads)
     try:
         check = greedy_check(engine, hf, model.prompts[: min(4, max(batches))], new_tokens=16)
         print(f"  greedy cross-check: {check}", flush=True)
         cases = [measure_case(engine, hf, model, batch, cfg) for batch in batches]
+        report = ModelReport(model, hf.parameters(), hf.shape(), check, engine.worker_threads)
     finally:
         engine.close()
-    report = ModelReport(model, hf.parameters(), hf.shape(), check, engine.worker_threads)
+        hf.close()
     return report, cases
 
 
@@ -253,7 +265,9 @@ def section(
         "",
         *(f"- {key}: {value}" for key, value in host.items()),
         f"- torch threads: {cfg.threads} for both (torch.set_num_threads; the engine's worker thread"
-        f" ran with {', '.join(map(str, worker))})",
+        f" ran with {', '.join(map(str, worker))}); each side in a process of its own",
+        f"- verst engine: continuous batching, compile_decode={'on' if cfg.compile else 'off'}"
+        " (torch.compile of the decode step; its one-off compile falls in the uncounted warm-up)",
         *(
             f"- {r.model.name}: {r.model.path.name}, {r.parameters:,} parameters ({r.shape});"
             f" prompts of {_span(r.model.prompts)} tokens;"
@@ -314,6 +328,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="before each repeat, wait up to this long for other processes to go quiet (%(default)s s)",
     )
     parser.add_argument("--seed", type=int, default=1234, help="base seed (%(default)s)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's compile_decode: torch.compile its decode step (%(default)s)",
+    )
     parser.add_argument(
         "--results",
         type=Path,

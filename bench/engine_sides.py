@@ -3,13 +3,17 @@ cross-check between them, and the description of the machine they ran on."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import multiprocessing
 import os
 import platform
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -50,9 +54,13 @@ def sampling_configs(batch: int, new_tokens: int, *, seed: int, greedy: bool) ->
 class EngineSide:
     """A TorchEngine on the CPU serving one model directory, driven in-process."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, compile_decode: bool = False) -> None:
         self.engine = TorchEngine(
-            device=CPU, dtype=torch.float32, max_batch_size=1, batch_wait_s=BATCH_WAIT_S
+            device=CPU,
+            dtype=torch.float32,
+            max_batch_size=1,
+            batch_wait_s=BATCH_WAIT_S,
+            compile_decode=compile_decode,
         )
         self.engine.start()
         self.engine.load_checkpoint(
@@ -166,6 +174,15 @@ class HfSide:
             raise BenchError(f"HF generate made {new.shape[1]} new tokens, not {new_tokens}")
         return seconds, new, logprobs, out
 
+    def generate_tensors(
+        self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *, scores: bool, sample: bool, seed: int
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """generate without its output object (which does not pickle)."""
+        seconds, new, logprobs, _ = self.generate(
+            ids, mask, new_tokens, scores=scores, sample=sample, seed=seed
+        )
+        return seconds, new, logprobs
+
     def timed(
         self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *, scores: bool, seed: int
     ) -> float:
@@ -175,7 +192,75 @@ class HfSide:
         return seconds
 
 
-def greedy_check(engine: EngineSide, hf: HfSide, prompts: Sequence[list[int]], new_tokens: int) -> str:
+def _serve_hf(conn: Connection, path: Path, threads: int) -> None:
+    """The child of HfProcess: an HfSide answering (method, args, kwargs) calls until None."""
+    torch.set_num_threads(threads)
+    side = HfSide(path)
+    while (call := conn.recv()) is not None:
+        method, args, kwargs = call
+        try:
+            conn.send((True, getattr(side, method)(*args, **kwargs)))
+        except Exception as err:  # the parent re-raises it
+            conn.send((False, err))
+
+
+class HfProcess:
+    """An HfSide in a process of its own, with the same torch thread count.
+
+    In one process the two sides would share OpenMP's thread pools: after ``generate`` ran on
+    the main thread, the engine's worker thread (which has a pool of its own) was measured
+    1.5 to 2x slower, which no deployment sees (an engine process runs nothing else).
+    """
+
+    def __init__(self, path: Path, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_hf, args=(child, path, threads), daemon=True)
+        self._process.start()
+        child.close()
+        self.pad = self._call("__getattribute__", "pad")
+
+    def _call(self, method: str, *args: object, **kwargs: object) -> Any:
+        self._conn.send((method, args, kwargs))
+        if not self._conn.poll(TIMEOUT_S):
+            raise BenchError(f"the HF process did not answer {method} within {TIMEOUT_S:.0f}s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def parameters(self) -> int:
+        return int(self._call("parameters"))
+
+    def shape(self) -> str:
+        return str(self._call("shape"))
+
+    def inputs(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return HfSide.inputs(self, prompts)  # type: ignore[arg-type]  # needs only self.pad
+
+    def generate(
+        self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *, scores: bool, sample: bool, seed: int
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None, object]:
+        call = ("generate_tensors", ids, mask, new_tokens)
+        seconds, new, logprobs = self._call(*call, scores=scores, sample=sample, seed=seed)
+        return seconds, new, logprobs, None
+
+    def timed(
+        self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *, scores: bool, seed: int
+    ) -> float:
+        return float(self._call("timed", ids, mask, new_tokens, scores=scores, seed=seed))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def greedy_check(
+    engine: EngineSide, hf: HfSide | HfProcess, prompts: Sequence[list[int]], new_tokens: int
+) -> str:
     """Greedy tokens and logprobs of both sides on a small batch, compared."""
     _, completions, _ = engine.generate(
         prompts, sampling_configs(len(prompts), new_tokens, seed=0, greedy=True)

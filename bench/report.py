@@ -78,7 +78,7 @@ def _version(module: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CpuSample:
-    """CPU seconds so far: the whole machine's, ours (with reaped children) and the Redis server's."""
+    """CPU seconds so far: the whole machine's, ours (with our children) and the Redis server's."""
 
     wall: float
     machine: float
@@ -87,8 +87,15 @@ class CpuSample:
 
     @classmethod
     def now(cls, url: str) -> CpuSample:
-        times = psutil.Process().cpu_times()
+        process = psutil.Process()
+        times = process.cpu_times()
         own = times.user + times.system + times.children_user + times.children_system
+        for child in process.children(recursive=True):  # live helpers are ours too
+            try:
+                child_times = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            own += child_times.user + child_times.system
         server = 0.0
         if urlparse(url).hostname in LOOPBACK:  # a remote server's CPU is not on this machine anyway
             client = redis.Redis.from_url(url)

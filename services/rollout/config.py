@@ -40,6 +40,9 @@ class EngineSettings(ServiceSettings):
     max_prefill_tokens: int = Field(4096, ge=1, le=1_048_576)
     """Most prompt tokens prefilled in one step while other samples decode (new samples join
     the running batch at every step; a longer prompt is prefilled alone)."""
+    compile_decode: bool = False
+    """torch.compile the fast path's decode step (inductor; on a CPU it needs a C++ compiler):
+    25-35% faster steps for small models, after a one-off compile of ~30 s per engine process."""
     weight_update_mode: str = Field("continue", pattern=r"^(continue|abort)$")
     """What a new checkpoint does to samples in flight: continue under the new weights (each
     token records its version) or abort them, returning their tokens for partial rollout."""

@@ -73,10 +73,14 @@ def record_tokens(
 class ContinuousBatch:
     """Live samples of one model in slots ``0..len(rows)-1`` (worker thread only)."""
 
-    def __init__(self, loaded: LoadedModel, *, capacity: int, device: torch.device) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, capacity: int, device: torch.device, compile_step: bool = False
+    ) -> None:
         self.loaded = loaded
         self.capacity = capacity
-        self.decoder = SlotDecoder(loaded.model, slots=capacity, max_positions=loaded.max_positions)
+        self.decoder = SlotDecoder(
+            loaded.model, slots=capacity, max_positions=loaded.max_positions, compile_step=compile_step
+        )
         self.sampler = BatchSampler([], [], device, capacity=capacity)
         self.rows: list[Row] = []
         self.positions = torch.zeros(capacity, dtype=torch.long, device=device)

@@ -24,11 +24,14 @@ to transformers' forward.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -101,7 +104,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
 class SlotDecoder:
     """Prefill and decode for up to ``slots`` samples of one model (one worker thread)."""
 
-    def __init__(self, model: torch.nn.Module, *, slots: int, max_positions: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, slots: int, max_positions: int, compile_step: bool = False
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the slot decoder cannot run this model: {reason}")
@@ -115,7 +120,6 @@ class SlotDecoder:
         self.head_dim = int(first.head_dim)
         self.heads = first.q_proj.out_features // self.head_dim
         self.kv_heads = first.k_proj.out_features // self.head_dim
-        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv = [_fuse([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in self.layers)]
         self.gate_up = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
         self.slots = slots
@@ -126,6 +130,9 @@ class SlotDecoder:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)
+        self._compiled: Any = None
+        if compile_step:  # one graph for every batch size and length (dynamic shapes)
+            self._compiled = torch.compile(self._decode_step, dynamic=True)
 
     # -- cache -----------------------------------------------------------------
 
@@ -188,8 +195,17 @@ class SlotDecoder:
         """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b.
 
         Returns float32 logits [B, vocab]."""
-        batch = tokens.shape[0]
         span = int(positions.max()) + 1
+        if self._compiled is not None:
+            try:
+                return self._compiled(tokens, positions, span)
+            except Exception as err:  # e.g. no C++ compiler for inductor: the eager step is the same
+                log.warning("torch.compile of the decode step failed, decoding eagerly: %s", err)
+                self._compiled = None
+        return self._decode_step(tokens, positions, span)
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        batch = tokens.shape[0]
         rows = torch.arange(batch, device=self.device)
         bias = torch.zeros((batch, 1, 1, span), device=self.device, dtype=self.dtype)
         bias.masked_fill_(torch.arange(span, device=self.device) > positions[:, None, None, None], -torch.inf)
@@ -219,14 +235,16 @@ class SlotDecoder:
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            shape = (batch, width, -1, self.head_dim)
-            qkv = F.linear(h, *self.qkv[index])
-            q, k, v = (part.view(shape) for part in qkv.split([self.q_size, self.kv_size, self.kv_size], -1))
+            qkv = F.linear(h, *self.qkv[index]).view(batch, width, -1, self.head_dim)
+            rotated = self.heads + self.kv_heads
             if hasattr(attention, "q_norm"):  # qwen3 normalises each head before the rotation
-                q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
-            q = _rotate(q.transpose(1, 2), cos, sin)
-            k = _rotate(k.transpose(1, 2), cos, sin)
-            out = attend(index, q, k, v.transpose(1, 2), attention.scaling)
+                q = _rms_norm(qkv[:, :, : self.heads], attention.q_norm)
+                k = _rms_norm(qkv[:, :, self.heads : rotated], attention.k_norm)
+                qk = _rotate(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)
+            else:  # queries and keys turn in one go
+                qk = _rotate(qkv[:, :, :rotated].transpose(1, 2), cos, sin)
+            q, k, v = qk[:, : self.heads], qk[:, self.heads :], qkv[:, :, rotated:].transpose(1, 2)
+            out = attend(index, q, k, v, attention.scaling)
             out = out.transpose(1, 2).reshape(batch, width, -1)
             x = x + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
             mlp = layer.mlp

@@ -80,12 +80,14 @@ class TorchEngine:
         batch_wait_s: float,
         max_prefill_tokens: int = 4096,
         default_update_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
+        compile_decode: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_prefill_tokens = max_prefill_tokens
+        self.compile_decode = compile_decode
         self._batch: ContinuousBatch | None = None
         """The running batch of the fast path (worker thread only); None when idle or static."""
         self._static_model: LoadedModel | None = None
@@ -356,7 +358,9 @@ class TorchEngine:
             log.warning("static batches on transformers' forward for this model: %s", reason)
             self._static_model, self._batch = loaded, None
             return None
-        self._batch = ContinuousBatch(loaded, capacity=self.max_batch_size, device=self.device)
+        self._batch = ContinuousBatch(
+            loaded, capacity=self.max_batch_size, device=self.device, compile_step=self.compile_decode
+        )
         return self._batch
 
     def _continuous_iteration(self) -> bool:

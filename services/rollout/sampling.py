@@ -154,15 +154,15 @@ class BatchSampler:
         rows = slice(start, start + logits.shape[0])
         configs = self.configs[rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if all(c is None or c.greedy for c in configs):
+        greedy = [c is None or c.greedy for c in configs]
+        if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             probs = self._probabilities(logits, raw_logprobs, configs, rows)
             uniform = self._uniforms(rows, active)
             tokens = _invert_cdf(probs, uniform)
-            greedy = self.greedy[rows]
-            if bool(greedy.any()):
-                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+            if any(greedy):
+                tokens = torch.where(self.greedy[rows], logits.argmax(dim=-1), tokens)
         return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
     def _probabilities(
@@ -212,12 +212,12 @@ class BatchSampler:
 
 
 def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """For each row, the first token whose cumulative probability exceeds ``uniform`` of the total."""
+    """For each row, the first token whose cumulative probability exceeds ``uniform`` of the total.
+
+    The target stays strictly below the total, so the token found always has mass (a float
+    cumsum only rises where a probability is positive); no device sync is needed.
+    """
     cdf = probs.cumsum(dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-    chosen = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    if bool((chosen <= 0).any()):  # rounding ran past the last token with mass
-        last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-        tokens = torch.where(chosen > 0, tokens, last_with_mass)
-    return tokens
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

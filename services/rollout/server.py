@@ -327,7 +327,9 @@ class EngineApp:
             dtype=DTYPES[settings.dtype],
             max_batch_size=settings.max_batch_size,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
+            max_prefill_tokens=settings.max_prefill_tokens,
             default_update_mode=settings.default_update_mode,
+            compile_decode=settings.compile_decode,
         )
         self.info = EngineInfoSource(settings, self.engine)
         self.metrics = EngineMetrics(self.engine.status)

@@ -100,3 +100,23 @@ def test_unsupported_models_are_named() -> None:
         SlotDecoder(gpt2, slots=1, max_positions=64)
     with pytest.raises(ValueError, match="exceed"):
         SlotDecoder(build("llama"), slots=1, max_positions=512).reserve(513)
+
+
+@pytest.mark.slow  # inductor compiles the step: ~25 s on two cores
+def test_the_compiled_decode_step_matches_the_eager_one() -> None:
+    """torch.compile (inductor) of the step: the same logits, for changing batch sizes and lengths."""
+    model = build("llama")
+    eager = SlotDecoder(model, slots=4, max_positions=512)
+    compiled = SlotDecoder(model, slots=4, max_positions=512, compile_step=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18]]
+    for decoder in (eager, compiled):
+        decoder.reserve(32)
+        decoder.prefill(prompts, [[0], [1], [2]])
+    tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([7, 3, 4])
+    for step in range(6):
+        live = 3 - step % 2  # the batch shrinks and grows, as in a continuous batch
+        want = eager.decode(tokens[:live], positions[:live])
+        got = compiled.decode(tokens[:live], positions[:live])
+        assert compiled._compiled is not None  # it did not fall back to eager
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        tokens[:live], positions[:live] = want.argmax(-1), positions[:live] + 1

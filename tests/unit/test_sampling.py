@@ -112,3 +112,14 @@ def test_select_keeps_each_rows_settings() -> None:
     sampler.select(torch.tensor([1, 2]))
     tokens, _ = sampler.sample(logits[1:], [True, True])
     assert tokens.tolist() == [int(logits[1].argmax()), int(logits[2].argmax())]
+
+
+def test_the_inverted_cdf_lands_on_a_token_with_mass_at_both_ends() -> None:
+    from services.rollout.sampling import _invert_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.5, 0.0]])
+    for u in (0.0, 1e-9, 0.2999, 0.3, 0.5, 0.999999, 1.0):  # 1.0 stands for a uniform rounded up
+        tokens = _invert_cdf(probs, torch.tensor([u, u]))
+        assert all(float(probs[row, token]) > 0 for row, token in enumerate(tokens.tolist())), (u, tokens)
+    assert _invert_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 2]
+    assert _invert_cdf(probs, torch.tensor([1.0, 1.0])).tolist() == [3, 4]
