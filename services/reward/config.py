@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -23,6 +23,46 @@ class RewardSettings(ServiceSettings):
     """Deadline of one verifier call; a slower one yields ScoreResponse.error."""
     score_workers: int = Field(4, ge=1, le=1024)
     """Threads that run verifiers (the items of a ScoreBatch are scored concurrently on them)."""
+
+    tools_enabled: bool = True
+    """Serve verst.v1.Tools (the sandboxed `python` tool) in this process beside verst.v1.Reward."""
+    sandbox_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """Wall time of one python call whose ExecuteRequest.timeout_s is 0."""
+    sandbox_max_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """Most wall time a python call may ask for; larger requests are cut to it."""
+    sandbox_cpu_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """CPU seconds of one call, per sandbox process (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = Field(512, ge=64, le=1 << 20)
+    """Address space of each sandbox process in MiB (RLIMIT_AS)."""
+    sandbox_output_bytes: int = Field(64 * 1024, ge=1024, le=64 << 20)
+    """stdout plus stderr one call may write; past it the code is stopped and the output truncated."""
+    sandbox_processes: int = Field(32, ge=1, le=4096)
+    """Processes plus threads a sandbox may have at once (RLIMIT_NPROC)."""
+    sandbox_disk_mb: int = Field(64, ge=1, le=1 << 20)
+    """Space for the code's files in MiB: its working directory's size, and the largest file."""
+    sandbox_concurrency: int = Field(4, ge=1, le=1024)
+    """Sandboxes running code at once; further calls wait within their deadline."""
+    sandbox_max_sessions: int = Field(64, ge=0, le=4096)
+    """Live stateful sessions (a sandbox process each); 0 turns sessions off."""
+    sandbox_session_idle_s: float = Field(300.0, gt=0.0, le=86400.0)
+    """A session without calls for this long is ended and its sandbox killed."""
+    sandbox_session_cpu_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """CPU seconds a session's process may use over all its calls."""
+    sandbox_python: str = ""
+    """Interpreter that runs the code; empty means the service's own."""
+    sandbox_site_packages: bool = False
+    """Let the code import the interpreter's site-packages (numpy, ...); off: the standard library only."""
+    sandbox_dir: str = ""
+    """Directory for the sandboxes' working directories; empty means the system's temporary directory."""
+    sandbox_uid_base: int = Field(2_000_000_000, ge=1000, le=4_000_000_000)
+    """First of the uids the sandboxes run as when the service runs as root (one per live sandbox)."""
+
+    @model_validator(mode="after")
+    def _timeouts_in_order(self) -> RewardSettings:
+        if self.sandbox_timeout_s > self.sandbox_max_timeout_s:
+            names = [self.env_name(f) for f in ("sandbox_timeout_s", "sandbox_max_timeout_s")]
+            raise ValueError(f"{names[0]} ({self.sandbox_timeout_s:g}) exceeds {names[1]}")
+        return self
 
     @field_validator("default_verifier")
     @classmethod

@@ -1,4 +1,5 @@
-"""The reward's gRPC server: ``verst.v1.Reward`` (Score, ScoreBatch) over a verifier registry.
+"""The reward's gRPC server: ``verst.v1.Reward`` (Score, ScoreBatch) over a verifier registry,
+and ``verst.v1.Tools`` (``tools.py``) in the same process.
 
 Scoring failures are data, not transport errors: an unknown verifier, a
 verifier that raises, returns something malformed, or overruns
@@ -23,6 +24,7 @@ import grpc
 
 from services.common.pb import reward_pb2, reward_pb2_grpc
 from services.common.settings import load_settings
+from services.reward import tools
 from services.reward.config import RewardSettings
 from services.reward.verifiers import VERIFIERS, Verifier, VerifierResult
 
@@ -106,10 +108,11 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
 
 def register(server: grpc.aio.Server, settings: RewardSettings | None = None) -> list[str]:
-    """Add the Reward servicer to ``server``; returns its service name for health checks.
+    """Add the Reward servicer, and the Tools one unless ``tools_enabled`` is off, to ``server``;
+    returns their service names for health checks.
 
     ``settings`` defaults to the environment's (VERST_REWARD_*).
     """
     settings = settings if settings is not None else load_settings(RewardSettings)
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(settings), server)
-    return [SERVICE_NAME]
+    return [SERVICE_NAME, *(tools.register(server, settings) if settings.tools_enabled else [])]

@@ -128,7 +128,8 @@ async def test_empty_batch(stub: reward_pb2_grpc.RewardStub) -> None:
 
 async def test_register_names_the_service() -> None:
     server = grpc.aio.server()
-    assert register(server, RewardSettings(port=0)) == [SERVICE_NAME] == ["verst.v1.Reward"]
+    settings = RewardSettings(port=0, tools_enabled=False)  # with tools: test_tools_service.py
+    assert register(server, settings) == [SERVICE_NAME] == ["verst.v1.Reward"]
 
 
 def test_unknown_default_verifier_is_a_settings_error() -> None:
