@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
 """Advantage estimators that compare samples within a group, so need n >= 2."""
+TOKEN_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
+"""Advantage estimators that take per-token rewards, so can take the KL penalty as a reward."""
 
 
 class Section(BaseModel):
@@ -71,6 +73,8 @@ class AlgorithmConfig(Section):
     """Weight of the KL penalty to the frozen reference model; 0 disables the reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (k3 is the low-variance one)."""
+    kl_in_reward: bool = False
+    """Fold the KL penalty into each token's reward (REINFORCE++ style) instead of the loss."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
     tis_cap: float | None = Field(None, gt=0.0)
@@ -79,12 +83,22 @@ class AlgorithmConfig(Section):
     """How many policy versions a token may lag the trainer and still be trained on."""
     stale_policy: Literal["drop", "downweight"] = "drop"
     """What happens to samples older than max_staleness."""
+    stale_decay: float = Field(0.5, gt=0.0, le=1.0)
+    """Downweight: a sample's loss weight is stale_decay ** (versions beyond max_staleness)."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (no learning signal)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount for GAE."""
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
     """Lambda for GAE."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """GAE's critic: clip range of the value update around the old values; null disables it."""
+    critic_learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    """GAE's critic: learning rate of its AdamW (constant; trainer.weight_decay applies)."""
+    gspo_clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
+    """GSPO: the sequence ratio is clipped below at 1 - gspo_clip_low."""
+    gspo_clip_high: float = Field(4e-4, ge=0.0, le=10.0)
+    """GSPO: the sequence ratio is clipped above at 1 + gspo_clip_high."""
 
     @field_validator("group_size")
     @classmethod
@@ -92,6 +106,17 @@ class AlgorithmConfig(Section):
         advantage = info.data.get("advantage")
         if advantage in GROUP_ESTIMATORS and value < 2:
             raise ValueError(f"must be >= 2 for the {advantage!r} estimator")
+        return value
+
+    @field_validator("kl_in_reward")
+    @classmethod
+    def _kl_reward_needs_a_token_estimator(cls, value: bool, info: ValidationInfo) -> bool:
+        advantage = info.data.get("advantage")
+        if value and advantage not in TOKEN_ESTIMATORS:
+            names = ", ".join(sorted(TOKEN_ESTIMATORS))
+            raise ValueError(f"needs a token-level advantage ({names}), not {advantage!r}")
+        if value and not info.data.get("kl_coef"):
+            raise ValueError("needs kl_coef > 0")
         return value
 
 

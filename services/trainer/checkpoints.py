@@ -1,10 +1,15 @@
 """A job's checkpoint directories: ``{checkpoint_dir}/{job_id}/v{version:06d}/``.
 
 Each is an HF-loadable directory (model.safetensors, config, tokenizer files)
-plus ``trained_ids.json`` (every trajectory id trained into these weights) and
-``checkpoint.json`` (its CheckpointHandle). A directory is written under a
-temporary name and renamed into place, so one that exists is complete; that is
-what a trainer resuming a reclaimed job relies on.
+plus ``trained_ids.json`` (every trajectory id trained into these weights),
+``checkpoint.json`` (its CheckpointHandle, whose ``step`` is the version) and,
+from v1 on, ``training_state/``: DeepSpeed's checkpoint of the optimiser (moments
+and step counts, one partition file per rank under ZeRO) and of the learning-rate
+schedule, with ``training_state.json`` saying which world size and ZeRO stage
+wrote it. A directory is written under a temporary name and renamed into place,
+so one that exists is complete; that is what a trainer resuming a reclaimed job
+relies on. With several trainer ranks every rank writes into the same staging
+directory (the checkpoint directory must be shared by them), rank 0 renames it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 TRAINED_IDS_FILE = "trained_ids.json"
 HANDLE_FILE = "checkpoint.json"
+TRAINING_STATE_DIR = "training_state"
+"""DeepSpeed's save_checkpoint directory inside a checkpoint."""
+TRAINING_STATE_TAG = "state"
+"""The DeepSpeed checkpoint tag (its sub-directory) inside TRAINING_STATE_DIR."""
+TRAINING_STATE_FILE = "training_state.json"
+"""Inside TRAINING_STATE_DIR: the world size and ZeRO stage that wrote it."""
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -36,6 +47,12 @@ class SavedCheckpoint:
     handle: common_pb2.CheckpointHandle
     directory: Path
     trained_ids: frozenset[str]
+
+    @property
+    def training_state(self) -> Path | None:
+        """The optimiser and schedule state saved with the weights; None in v0."""
+        state = self.directory / TRAINING_STATE_DIR
+        return state if (state / TRAINING_STATE_FILE).is_file() else None
 
 
 def file_sha256(path: Path) -> str:

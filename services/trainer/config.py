@@ -30,6 +30,9 @@ class TrainerSettings(ServiceSettings):
     """Trajectories pending this long on a silent consumer (a dead trainer) are taken over."""
     keepalive_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How often the trainer renews its claim on its job and on buffered trajectories."""
+    distributed_timeout_s: float = Field(600.0, ge=10.0, le=86_400.0)
+    """Deadline of one collective operation between trainer ranks (under torchrun): a rank that
+    waits longer for the others fails; an idle rank 0 pings the others every quarter of it."""
 
     @field_validator("keepalive_s")
     @classmethod

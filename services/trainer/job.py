@@ -29,18 +29,25 @@ from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams, job_key
-from services.trainer.advantages import get_advantage
-from services.trainer.batching import TrainSample
+from services.trainer import distributed
+from services.trainer.advantages import get_token_advantage
 from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
 from services.trainer.config import TrainerSettings
+from services.trainer.critic import CRITIC_DIR, Critic
 from services.trainer.losses import get_policy_loss, sample_token_weights
-from services.trainer.policy import Policy, StepStats, deepspeed_config, init_distributed
+from services.trainer.objective import StepStats
+from services.trainer.policy import Policy, deepspeed_config, init_distributed
+from services.trainer.prepare import Prepared, prepare
+from services.trainer.reference import ReferenceModel
+from services.trainer.regularizers import get_kl_estimator, get_stale_policy
 
 log = logging.getLogger(__name__)
 
 JOB_GROUP = TRAINERS_GROUP
 TRAJECTORY_GROUP = TRAINER_GROUP
+NO_MIN_VERSION = -(2**63)
+"""Under stale_policy 'downweight' no group is too old to train on."""
 TERMINAL_STATES = frozenset(
     common_pb2.JobState.Name(state)
     for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
@@ -125,44 +132,19 @@ class DropCounts:
     """What one step skipped, reported in its Metric. (Dropped groups are reported at once.)"""
 
     zero_variance: int = 0
+    stale_groups: int = 0
     duplicates: int = 0
 
 
 def check_supported(spec: JobSpec) -> None:
     """Fail fast, with the field's name, on a JobSpec this trainer cannot honour."""
-    get_advantage(spec.algorithm.advantage)
-    get_policy_loss(spec.algorithm.policy_loss)
-    sample_token_weights([1], spec.algorithm.loss_aggregation, spec.rollout.max_new_tokens)
-    deepspeed_config(spec.trainer, spec.model.dtype)
     algorithm = spec.algorithm
-    unsupported = {
-        "algorithm.kl_coef > 0 (needs a reference model)": algorithm.kl_coef > 0,
-        "algorithm.entropy_coef > 0": algorithm.entropy_coef > 0,
-        "algorithm.tis_cap": algorithm.tis_cap is not None,
-        "algorithm.stale_policy 'downweight'": algorithm.stale_policy == "downweight",
-    }
-    named = [name for name, present in unsupported.items() if present]
-    if named:
-        raise ValueError(f"not supported by this trainer yet: {', '.join(named)}")
-
-
-def build_samples(groups: Iterable[Group], spec: JobSpec) -> tuple[list[TrainSample], list[float]]:
-    """Training samples with their advantages, and the rewards they came with."""
-    members = [group.ordered() for group in groups]
-    rewards = torch.tensor([[t.reward for t in group] for group in members], dtype=torch.float64)
-    advantages = get_advantage(spec.algorithm.advantage)(rewards)
-    samples = [
-        TrainSample(
-            prompt_token_ids=list(t.prompt_token_ids),
-            response_token_ids=list(t.response_token_ids),
-            loss_mask=list(t.loss_mask),
-            behaviour_logprobs=list(t.behaviour_logprobs),
-            advantage=float(advantage),
-        )
-        for group, row in zip(members, advantages, strict=True)
-        for t, advantage in zip(group, row, strict=True)
-    ]
-    return samples, rewards.flatten().tolist()
+    get_token_advantage(algorithm.advantage)
+    get_policy_loss(algorithm.policy_loss)
+    get_kl_estimator(algorithm.kl_estimator)
+    get_stale_policy(algorithm.stale_policy)
+    sample_token_weights([1], algorithm.loss_aggregation, spec.rollout.max_new_tokens)
+    deepspeed_config(spec.trainer, spec.model.dtype)
 
 
 def unique_deliveries(groups: Iterable[Group]) -> list[Delivery[Trajectory]]:
@@ -205,6 +187,10 @@ class JobRun:
         self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.trained_ids)
         self.version = 0
         self.policy: Policy | None = None
+        self.reference: ReferenceModel | None = None
+        """The frozen base model, when the job has a KL term (algorithm.kl_coef > 0)."""
+        self.critic: Critic | None = None
+        """The value model, when the job uses GAE."""
         self.model_lock = asyncio.Lock()
         self.drops = DropCounts()
         self._in_training: list[Delivery[Trajectory]] = []
@@ -237,27 +223,49 @@ class JobRun:
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
             # On shutdown a step may still run in its thread; the process exit frees the memory.
-            if self.policy is not None and not self.control.shutdown.is_set():
-                await asyncio.to_thread(self.policy.close)
+            if not self.control.shutdown.is_set():
+                await asyncio.to_thread(self._close_models)
+
+    def _close_models(self) -> None:
+        for model in (self.policy, self.reference, self.critic):
+            if model is not None:
+                model.close()
 
     # -- load and first checkpoint -------------------------------------------------------
 
     def _load(self) -> SavedCheckpoint | None:
         """Blocking: the newest checkpoint of this job if there is one, else the base model."""
+        from services.common.basemodel import resolve_model_path  # builds a builtin model on demand
+
         self.store.remove_partial()
         resumed = self.store.latest()
+        base_dir = resolve_model_path(self.spec.model.path)
         if resumed is not None:
             model_dir = tokenizer_dir = resumed.directory
             log.info("job %s: resuming from its checkpoint v%d", self.job_id, resumed.handle.version)
         else:
-            from services.common.basemodel import resolve_model_path  # builds a builtin model on demand
-
-            model_dir = resolve_model_path(self.spec.model.path)
+            model_dir = base_dir
             tokenizer = self.spec.model.tokenizer
             tokenizer_dir = resolve_model_path(tokenizer) if tokenizer else model_dir
+        algorithm = self.spec.algorithm
         init_distributed(self.device)
-        completed = int(resumed.handle.version) if resumed else 0
-        self.policy = Policy.load(self.spec, model_dir, tokenizer_dir, self.device, completed)
+        if distributed.size() > 1 and algorithm.advantage == "gae":
+            raise ValueError("algorithm.advantage 'gae' needs one trainer process (no sharded critic)")
+        # Every rank loads (distributed.py); the optimiser and schedule resume with the weights.
+        self.policy = distributed.load_policy(
+            spec=self.spec,
+            model_dir=model_dir,
+            tokenizer_dir=tokenizer_dir,
+            device=self.device,
+            completed_versions=int(resumed.handle.version) if resumed else 0,
+            training_state=resumed.training_state if resumed else None,
+        )
+        if algorithm.kl_coef > 0:  # the penalty is to the job's base model, also after a resume
+            self.reference = ReferenceModel.load(self.spec, base_dir, self.policy.device)
+        if algorithm.advantage == "gae":
+            saved_critic = resumed.directory / CRITIC_DIR if resumed is not None else None
+            critic_dir = saved_critic if saved_critic is not None and saved_critic.is_dir() else base_dir
+            self.critic = Critic.load(self.spec, critic_dir, self.policy.device)
         return resumed
 
     async def _publish_first_checkpoint(self, resumed: SavedCheckpoint | None) -> None:
@@ -277,13 +285,20 @@ class JobRun:
         assert self.policy is not None
         self._enter(trainer_pb2.TRAINER_STATE_SAVING)
         saved = await asyncio.to_thread(
-            self.store.save, self.version, self.version, self.policy.save, set(self.trained_ids)
+            self.store.save, self.version, self.version, self._write_models, set(self.trained_ids)
         )
         await self.bus.publish(self.streams.checkpoints, saved.handle)
         self.progress.last_checkpoint = saved.handle
         self._report_version()
         log.info("job %s: published checkpoint v%d (%s)", self.job_id, self.version, saved.directory)
         return saved
+
+    def _write_models(self, directory: Path) -> None:
+        """The policy as an HF directory; the critic, if any, in its ``critic/`` subdirectory."""
+        assert self.policy is not None
+        self.policy.save(directory, training_state=self.version > 0)  # v0's optimiser is fresh anyway
+        if self.critic is not None:
+            self.critic.save(directory / CRITIC_DIR)
 
     async def latest_checkpoint(self) -> common_pb2.CheckpointHandle:
         """The checkpoint of the current weights, once any step in progress has finished.
@@ -308,15 +323,27 @@ class JobRun:
     # -- one step ------------------------------------------------------------------------
 
     async def _collect(self, consumer: StreamConsumer[Trajectory]) -> list[Group]:
-        """Wait for ``prompts_per_step`` complete, fresh, valid groups."""
+        """Wait for ``prompts_per_step`` complete, fresh, valid groups with a learning signal.
+
+        Groups taken but not trained yet are held in ``_in_training`` (the keep-alive renews them).
+        A group filtered for zero reward variance is acked and reported at once, like a stale
+        one, so that the controller issues a replacement prompt and the step still fills.
+        """
         self._enter(trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA)
         wanted = self.spec.rollout.prompts_per_step
+        ready: list[Group] = []
         while True:
             self.control.check()
-            min_version = self.version - self.spec.algorithm.max_staleness
-            await self._drop(consumer, self.collector.discard_unusable(min_version))
-            if self.collector.complete >= wanted:
-                return self.collector.take(wanted)
+            await self._drop(consumer, self.collector.discard_unusable(self._min_version()))
+            if self.collector.complete:
+                taken = self.collector.take(wanted - len(ready))
+                flat = [group for group in taken if self._zero_variance(group)]
+                ready.extend(group for group in taken if not self._zero_variance(group))
+                self._in_training = unique_deliveries(ready)
+                if flat:
+                    await self._drop_zero_variance(consumer, flat)
+                if len(ready) >= wanted:
+                    return ready
             for delivery in await consumer.poll():
                 outcome, reason = self.collector.add(delivery)
                 if outcome is Outcome.DONE:
@@ -326,6 +353,19 @@ class JobRun:
                     self.drops.duplicates += 1
                 elif outcome is Outcome.REJECTED:
                     await consumer.dead_letter(delivery, reason)
+
+    def _min_version(self) -> int:
+        """The oldest token version a group may have (stale_policy 'drop'; no bound for 'downweight')."""
+        algorithm = self.spec.algorithm
+        if algorithm.stale_policy == "downweight":
+            return NO_MIN_VERSION
+        return self.version - algorithm.max_staleness
+
+    async def _drop_zero_variance(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
+        await consumer.ack(unique_deliveries(groups))
+        self.drops.zero_variance += len(groups)
+        log.info("job %s: filtered %d groups without reward variance", self.job_id, len(groups))
+        await self._report_drops(zero_variance_dropped=len(groups))
 
     async def _drop(self, consumer: StreamConsumer[Trajectory], unusable: Unusable) -> None:
         """Ack stale groups; dead-letter invalid ones with their problems as the reason."""
@@ -339,6 +379,7 @@ class JobRun:
             log.warning("job %s: %s", self.job_id, reason)
             for delivery in unique_deliveries([group]):
                 await consumer.dead_letter(delivery, reason)
+        self.drops.stale_groups += len(unusable.stale)
         if unusable.stale or unusable.invalid:
             # Reported at once, not with the next step: the controller replaces dropped
             # groups, and until it does this step may never fill.
@@ -347,30 +388,27 @@ class JobRun:
     async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
         """Optimise on the groups, checkpoint, announce, then ack them and report the step."""
         collected_at = time.monotonic()
-        trainable = [g for g in groups if not self._zero_variance(g)]
         self._in_training = unique_deliveries(groups)
-        if not trainable:  # nothing to learn from: these groups are done, the version stays
-            await consumer.ack(self._in_training)
-            self._in_training = []
-            await self._report_drops(zero_variance_dropped=len(groups))
-            return
-        self.drops.zero_variance += len(groups) - len(trainable)
-        samples, rewards = build_samples(trainable, self.spec)
         async with self.model_lock:
-            assert self.policy is not None
             self._enter(trainer_pb2.TRAINER_STATE_TRAINING)
-            seed = self.spec.seed * 1_000_003 + self.version
-            stats = await asyncio.to_thread(self.policy.optimise, samples, seed)
+            prepared, stats = await asyncio.to_thread(self._optimise, groups)
             optimised_at = time.monotonic()
-            self.trained_ids.update(t for group in trainable for t in group.trajectories)
+            self.trained_ids.update(t for group in groups for t in group.trajectories)
             self.version += 1
             await self._checkpoint()
         saved_at = time.monotonic()
         await consumer.ack(self._in_training)
         self._in_training = []
         await asyncio.to_thread(self.store.prune)
-        timings = (optimised_at - collected_at, saved_at - optimised_at)
-        await self._publish_metrics(stats, samples, rewards, timings)
+        await self._publish_metrics(stats, prepared, (optimised_at - collected_at, saved_at - optimised_at))
+
+    def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
+        """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
+        assert self.policy is not None
+        members = [group.ordered() for group in groups]
+        prepared = prepare(members, self.spec, self.version, self.policy, self.reference, self.critic)
+        seed = self.spec.seed * 1_000_003 + self.version
+        return prepared, self.policy.optimise(prepared.samples, seed, self.critic)
 
     def _zero_variance(self, group: Group) -> bool:
         if not self.spec.algorithm.filter_zero_variance_groups:
@@ -378,23 +416,18 @@ class JobRun:
         return len({t.reward for t in group.trajectories.values()}) == 1
 
     async def _publish_metrics(
-        self,
-        stats: StepStats,
-        samples: list[TrainSample],
-        rewards: list[float],
-        timings: tuple[float, float],
+        self, stats: StepStats, prepared: Prepared, timings: tuple[float, float]
     ) -> None:
         optimise_s, checkpoint_s = timings
+        samples = prepared.samples
         values = {
-            "loss": stats.loss,
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
-            "clip_fraction": stats.clip_fraction,
-            "approx_kl": stats.approx_kl,
-            "grad_norm": stats.grad_norm,
-            "learning_rate": stats.learning_rate,
+            **stats.metrics(),
+            **prepared.metrics(),
+            "reward_mean": statistics.fmean(prepared.rewards),
+            "reward_std": statistics.pstdev(prepared.rewards),
             "response_tokens": float(sum(len(s.response_token_ids) for s in samples)),
             "zero_variance_filtered": float(self.drops.zero_variance),
+            "stale_groups_dropped": float(self.drops.stale_groups),
             "duplicates_skipped": float(self.drops.duplicates),
             "step_seconds": optimise_s + checkpoint_s,
             "checkpoint_seconds": checkpoint_s,
@@ -402,7 +435,7 @@ class JobRun:
         }
         self.drops = DropCounts()
         await self._publish_trainer_metric(values)
-        self.progress.consumed_trajectories += len(samples)
+        self.progress.consumed_trajectories += len(prepared.rewards)
         self.progress.last_metrics = values
         log.info(
             "job %s: step %d loss %.4f reward %.3f clip %.3f kl %.2e grad %.3f (%.2fs)",

@@ -106,8 +106,9 @@ GSPO_CLIP_HIGH = 4e-4
 
 @register_policy_loss("gspo")
 def gspo(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
-    """GSPO (Zheng et al. 2025) with the paper's clip ranges; ``gspo_token`` has the formula."""
-    return gspo_token(inputs, GSPO_CLIP_LOW, GSPO_CLIP_HIGH)
+    """GSPO (Zheng et al. 2025) with algorithm.gspo_clip_low/high (by default the paper's
+    ranges, GSPO_CLIP_LOW/HIGH); ``gspo_token`` has the formula."""
+    return gspo_token(inputs, algorithm.gspo_clip_low, algorithm.gspo_clip_high)
 
 
 def gspo_token(inputs: PolicyLossInputs, clip_low: float, clip_high: float) -> PolicyLossOutput:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
 import os
-import random
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,42 +23,45 @@ from typing import Any
 import torch
 
 from services.common.config import JobSpec, TrainerConfig
-from services.trainer.batching import TrainSample, collate, pack_micro_batches, token_logprobs
-from services.trainer.losses import PolicyLossInputs, get_policy_loss, sample_token_weights
+from services.trainer import distributed
+from services.trainer.batching import (
+    MicroBatch,
+    TrainSample,
+    collate,
+    pack_micro_batches,
+    per_response_token,
+    token_logprobs,
+)
+from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
+from services.trainer.critic import Critic
+from services.trainer.losses import get_policy_loss, sample_token_weights
+from services.trainer.objective import StepStats, Totals, combine, micro_batch_loss, optimiser_step_plan
 
 log = logging.getLogger(__name__)
 
-RESERVED_DEEPSPEED_KEYS = frozenset(
-    {
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "optimizer",
-        "scheduler",
-    }
-)
-"""Set by the trainer itself: batch sizes follow from the token budget, and the optimiser and
-schedule from the trainer section."""
+_BATCH_FIELD = "trainer.micro_batch_tokens decides it (micro-batches are packed by tokens)"
+RESERVED_DEEPSPEED_KEYS = {
+    "train_batch_size": _BATCH_FIELD,
+    "train_micro_batch_size_per_gpu": _BATCH_FIELD,
+    "gradient_accumulation_steps": _BATCH_FIELD,
+    "optimizer": "trainer.learning_rate and trainer.weight_decay set it (a torch AdamW)",
+    "scheduler": "trainer.scheduler and trainer.warmup_steps set it",
+}
+"""Keys of trainer.deepspeed the trainer refuses, with the fields that set them instead."""
+
+MIRRORED_DEEPSPEED_KEYS = {
+    ("zero_optimization", "stage"): "trainer.zero_stage",
+    ("gradient_clipping",): "trainer.max_grad_norm",
+    ("bf16", "enabled"): "model.dtype",
+    ("fp16", "enabled"): "model.dtype",
+}
+"""Keys derived from a typed field: trainer.deepspeed may repeat them, not contradict them."""
 
 DISTRIBUTED_TIMEOUT = timedelta(seconds=60)
-"""Deadline of collective operations of the one-process group."""
+"""Default deadline of collective operations (the service sets VERST_TRAINER_DISTRIBUTED_TIMEOUT_S)."""
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 """trainer.scheduler -> the transformers schedule of that shape (all with linear warm-up)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What one rollout batch's optimisation did (means over its optimiser steps)."""
-
-    loss: float
-    clip_fraction: float
-    approx_kl: float
-    grad_norm: float
-    learning_rate: float
-    optimizer_steps: int
-    tokens: int
-    """Tokens run through forward and backward, prompts included, over all passes."""
 
 
 def select_device(setting: str) -> torch.device:
@@ -71,35 +73,53 @@ def select_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def init_distributed(device: torch.device) -> None:
-    """A one-process torch.distributed group, which DeepSpeed requires; once per process.
+def init_distributed(device: torch.device, timeout: timedelta = DISTRIBUTED_TIMEOUT) -> None:
+    """The torch.distributed group DeepSpeed requires; once per process.
 
-    Its store is in memory: one process needs no rendezvous port, so none can be taken or
-    shared by mistake, and no MASTER_* variables leak to child processes.
+    Under a launcher (torchrun, deepspeed: WORLD_SIZE > 1) the group is every trainer
+    process, met through the launcher's MASTER_ADDR/MASTER_PORT (services/trainer/
+    distributed.py). Alone, it is a one-process group with an in-memory store: one process
+    needs no rendezvous port, so none can be taken or shared by mistake, and no MASTER_*
+    variables leak to child processes. ``timeout`` bounds every collective operation.
     """
     if device.type == "cpu" and torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed
 
+    from services.trainer.distributed import world_from_env
+
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not torch.distributed.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-            raise RuntimeError("the trainer runs as one process; WORLD_SIZE must be 1 or unset")
-        os.environ.setdefault("LOCAL_RANK", "0")  # the DeepSpeed engine reads it
+        world = world_from_env()
+        os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # the DeepSpeed engine reads it
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group(
-            backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=DISTRIBUTED_TIMEOUT
-        )
+        if world.size > 1:
+            torch.distributed.init_process_group(backend, timeout=timeout)  # env:// from the launcher
+        else:
+            torch.distributed.init_process_group(
+                backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 def deepspeed_config(trainer: TrainerConfig, dtype: str) -> dict[str, Any]:
-    """The DeepSpeed config derived from the trainer section, with ``trainer.deepspeed`` merged over it."""
+    """The DeepSpeed config derived from the trainer section, with ``trainer.deepspeed`` merged over it.
+
+    Precedence: the raw ``trainer.deepspeed`` dict wins, key by key (nested dicts merge
+    recursively), over what is derived here, except for RESERVED_DEEPSPEED_KEYS (refused)
+    and MIRRORED_DEEPSPEED_KEYS (refused unless equal to the typed field's value). The
+    optimiser is always a torch AdamW and the schedule transformers' (``learning_rate_schedule``),
+    so nothing is compiled; ``zero_force_ds_cpu_optimizer`` is off, so ZeRO-Offload of the
+    optimiser (``zero_optimization.offload_optimizer``) runs that AdamW on the CPU.
+    An invalid combination raises ValueError naming the field.
+    """
     overrides = trainer.deepspeed or {}
-    reserved = sorted(RESERVED_DEEPSPEED_KEYS & set(overrides))
+    reserved = sorted(RESERVED_DEEPSPEED_KEYS.keys() & overrides.keys())
     if reserved:
-        raise ValueError(f"trainer.deepspeed may not set {', '.join(reserved)}: the trainer sets them")
+        key = reserved[0]
+        owner = RESERVED_DEEPSPEED_KEYS[key]
+        raise ValueError(f"trainer.deepspeed.{key}: trainer.deepspeed may not set {key}; {owner}")
     derived: dict[str, Any] = {
         # One backward call per micro-batch. Their number per step varies with the packing, so
         # the trainer marks the accumulation boundary itself and DeepSpeed's counter stays at 1.
@@ -107,12 +127,40 @@ def deepspeed_config(trainer: TrainerConfig, dtype: str) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": trainer.max_grad_norm or 0.0,
         "zero_optimization": {"stage": trainer.zero_stage},
+        "zero_force_ds_cpu_optimizer": False,
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    return _merge(derived, overrides)
+    merged = _merge(derived, overrides)
+    for path, field in MIRRORED_DEEPSPEED_KEYS.items():
+        ours, theirs = _lookup(derived, path), _lookup(merged, path)
+        if theirs != ours:
+            name = f"trainer.deepspeed.{'.'.join(path)}"
+            raise ValueError(f"{name} is {theirs!r} but {field} makes it {ours!r}: set {field}")
+    _check_offload(merged.get("zero_optimization") or {}, trainer.zero_stage)
+    return merged
+
+
+def _lookup(config: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
+
+
+def _check_offload(zero: dict[str, Any], stage: int) -> None:
+    """ZeRO-Offload needs a stage that partitions what it offloads (DeepSpeed ignores it otherwise)."""
+
+    def offloads(key: str) -> bool:
+        setting = zero.get(key)
+        return isinstance(setting, dict) and setting.get("device", "none") != "none"
+
+    name = "trainer.deepspeed.zero_optimization"
+    if offloads("offload_param") and stage != 3:
+        raise ValueError(f"{name}.offload_param needs trainer.zero_stage 3")
+    if offloads("offload_optimizer") and stage == 0:
+        raise ValueError(f"{name}.offload_optimizer needs trainer.zero_stage >= 1")
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +193,26 @@ def learning_rate_schedule(
     return schedule
 
 
+def _restore_training_state(engine: Any, state: Path, zero_stage: int) -> None:
+    """Load the optimiser and schedule saved by ``Policy.save`` into a fresh engine, if their
+    layout matches this run's (a ZeRO partition belongs to one rank of one world size)."""
+    layout = json.loads((state / TRAINING_STATE_FILE).read_text())
+    here = {"world_size": distributed.size(), "zero_stage": zero_stage}
+    if layout != here:
+        log.warning("optimiser state saved with %s, this run has %s: its moments start afresh", layout, here)
+        return
+    path, _ = engine.load_checkpoint(
+        str(state),
+        tag=TRAINING_STATE_TAG,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint in {state}")
+    log.info("restored the optimiser and schedule from %s", state)
+
+
 class Policy:
     """A DeepSpeed-wrapped causal LM with its tokenizer."""
 
@@ -163,26 +231,34 @@ class Policy:
         tokenizer_dir: Path,
         device: torch.device,
         completed_versions: int = 0,
+        training_state: Path | None = None,
     ) -> Policy:
         """Load weights and tokenizer, and build the optimiser, schedule and DeepSpeed engine.
 
-        ``completed_versions``: rollout batches already trained into these weights (when a job
-        resumes), so the learning-rate schedule carries on where it was. The optimiser's
-        moments start afresh: checkpoints hold weights only.
+        When a job resumes, ``training_state`` is its checkpoint's DeepSpeed state (optimiser
+        moments and step counts, the schedule): restored when it was saved by as many ranks
+        with the same ZeRO stage, else the moments start afresh. ``completed_versions``
+        (rollout batches trained into these weights) moves the schedule on in that case.
         """
         import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per save is noise in a service's log
         if spec.model.dtype == "float16" and device.type != "cuda":
             raise ValueError("model.dtype float16 needs a GPU; use float32 or bfloat16 on CPU")
+        trainer = spec.trainer
+        config = deepspeed_config(trainer, spec.model.dtype)
+        try:
+            DeepSpeedConfig(copy.deepcopy(config))  # fail before loading anything, naming the section
+        except (ValueError, AssertionError) as err:
+            raise ValueError(f"trainer.deepspeed: DeepSpeed rejects the merged config: {err}") from None
         trust = spec.model.trust_remote_code
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust)
         torch.manual_seed(spec.seed)
         # fp32 master weights; DeepSpeed casts the module itself when bf16 or fp16 is on.
         model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust).float()
-        trainer = spec.trainer
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -190,72 +266,58 @@ class Policy:
             model=model,
             optimizer=optimizer,
             lr_scheduler=learning_rate_schedule(optimizer, trainer, completed_versions),
-            config=deepspeed_config(trainer, spec.model.dtype),
+            config=config,
         )
+        if training_state is not None:
+            _restore_training_state(engine, training_state, trainer.zero_stage)
         return cls(engine, tokenizer, spec)
 
-    def optimise(self, samples: Sequence[TrainSample], seed: int) -> StepStats:
-        """``ppo_epochs`` passes over the samples, each split into ``mini_batches`` optimiser steps."""
+    def optimise(self, samples: Sequence[TrainSample], seed: int, critic: Critic | None = None) -> StepStats:
+        """``ppo_epochs`` passes over the samples, each split into ``mini_batches`` optimiser steps
+        (the critic, when given, steps on the same mini-batches).
+
+        PPO's ratio is to each sample's ``old_logprobs``, fixed for all the steps: the
+        trainer's own from the start of the step (services/trainer/prepare.py sets them),
+        or the behaviour logprobs where a sample has none.
+        """
         if not samples:
             raise ValueError("no samples to optimise on")
         trainer = self.spec.trainer
-        rng = random.Random(seed)
-        results: list[tuple[float, float, float, float, int, int]] = []
-        for _ in range(trainer.ppo_epochs):
-            order = list(range(len(samples)))
-            if trainer.mini_batches > 1:
-                rng.shuffle(order)
-            for part in range(trainer.mini_batches):
-                chunk = [samples[i] for i in order[part :: trainer.mini_batches]]
-                if chunk:
-                    results.append(self._optimiser_step(chunk))
-        loss_tokens = sum(r[4] for r in results) or 1
-        return StepStats(
-            loss=sum(r[0] for r in results) / len(results),
-            clip_fraction=sum(r[1] * r[4] for r in results) / loss_tokens,
-            approx_kl=sum(r[2] * r[4] for r in results) / loss_tokens,
-            grad_norm=sum(r[3] for r in results) / len(results),
-            learning_rate=float(self.engine.get_lr()[0]),
-            optimizer_steps=len(results),
-            tokens=sum(r[5] for r in results),
-        )
+        steps: list[tuple[Totals, float]] = []
+        critic_steps = []
+        for chunk in optimiser_step_plan(len(samples), trainer.ppo_epochs, trainer.mini_batches, seed):
+            part = [samples[i] for i in chunk]
+            steps.append(self._optimiser_step(part))
+            if critic is not None:
+                critic_steps.append(critic.optimiser_step(part))
+        return combine(steps, critic_steps, float(self.engine.get_lr()[0]))
 
-    def _optimiser_step(self, samples: Sequence[TrainSample]) -> tuple[float, float, float, float, int, int]:
-        """One optimiser step; returns loss, clip fraction, approx KL, grad norm, loss tokens, tokens."""
+    def _optimiser_step(self, samples: Sequence[TrainSample]) -> tuple[Totals, float]:
+        """One optimiser step over packed micro-batches; returns their totals and the grad norm."""
         algorithm = self.spec.algorithm
         weights = sample_token_weights(
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
-        packs = pack_micro_batches([s.length for s in samples], self.spec.trainer.micro_batch_tokens)
+        # With several ranks each runs its share of the packs (services/trainer/distributed.py).
+        packs = distributed.share_of(
+            pack_micro_batches([s.length for s in samples], self.spec.trainer.micro_batch_tokens)
+        )
         self.engine.train()
-        loss = clipped = kl = 0.0
-        loss_tokens = tokens = 0
-        for index, pack in enumerate(packs):
-            batch = collate([samples[i] for i in pack], [weights[i] for i in pack], self.device)
+        totals = Totals()
+        for index, (pack, real) in enumerate(packs):
+            scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
+            batch = collate([samples[i] for i in pack], [weights[i] * scale for i in pack], self.device)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
             logits = self.engine(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
             ).logits
-            inputs = PolicyLossInputs(
-                logprobs=token_logprobs(logits, batch.input_ids),
-                behaviour_logprobs=batch.behaviour_logprobs,
-                advantages=batch.advantages,
-                mask=batch.mask,
-                weights=batch.weights,
-            )
-            result = self.loss_fn(inputs, algorithm)
-            self.engine.backward(result.loss, scale_wrt_gas=False)
-            loss += float(result.loss.detach())
-            clipped += result.clip_fraction * result.tokens
-            kl += result.approx_kl * result.tokens
-            loss_tokens += result.tokens
-            tokens += batch.tokens
+            loss = micro_batch_loss(logits, batch, algorithm, self.loss_fn, totals if real else Totals())
+            self.engine.backward(loss * distributed.gradient_scale(), scale_wrt_gas=False)
         own_norm = self._gradient_norm() if self.spec.trainer.zero_stage == 0 else None
         self.engine.step()
         reported = self.engine.get_global_grad_norm()
         grad_norm = float(reported) if reported is not None else float(own_norm or 0.0)
-        per_token = max(loss_tokens, 1)
-        return loss, clipped / per_token, kl / per_token, grad_norm, loss_tokens, tokens
+        return distributed.sum_over_ranks(totals), grad_norm
 
     def _gradient_norm(self) -> float:
         """The gradient norm before clipping, for ZeRO stage 0 (whose engine does not report it)."""
@@ -268,30 +330,39 @@ class Policy:
     def response_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """log p of each response token of each sample under the current weights."""
         self.engine.eval()
-        found: dict[int, list[float]] = {}
-        packs = pack_micro_batches([s.length for s in samples], self.spec.trainer.micro_batch_tokens)
-        for pack in packs:
-            chunk = [samples[i] for i in pack]
-            batch = collate(chunk, [0.0] * len(chunk), self.device)
-            logits = self.engine(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
-            logprobs = token_logprobs(logits, batch.input_ids).cpu()
-            for row, (index, sample) in enumerate(zip(pack, chunk, strict=True)):
-                start = len(sample.prompt_token_ids) - 1
-                found[index] = logprobs[row, start : start + len(sample.response_token_ids)].tolist()
-        return [found[i] for i in range(len(samples))]
+        budget = self.spec.trainer.micro_batch_tokens
+        return per_response_token(samples, budget, self.device, self._token_logprobs)
 
-    def save(self, directory: Path) -> None:
-        """An HF-loadable directory: one model.safetensors, config, tokenizer files."""
+    def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        logits = self.engine(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+        ).logits
+        return token_logprobs(logits, batch.input_ids)
+
+    def save(self, directory: Path, training_state: bool = True) -> None:
+        """An HF-loadable directory: one model.safetensors, config, tokenizer files; with
+        ``training_state``, DeepSpeed's checkpoint of the optimiser and schedule too.
+
+        With several ranks every rank calls it, on the same (shared) directory: ZeRO-3
+        gathers the weights, and each rank writes its own optimiser partition; rank 0
+        writes the rest.
+        """
         import deepspeed
 
+        first = distributed.rank() == 0
         module = self.engine.module
         gather = self.spec.trainer.zero_stage == 3  # ZeRO-3 holds only shards: gather them to save
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
-            # One file whatever the size: engines verify the sha256 of model.safetensors.
-            module.save_pretrained(directory, max_shard_size="100000GB")
-        self.tokenizer.save_pretrained(directory)
+            if first:  # one file whatever the size: engines verify the sha256 of model.safetensors
+                module.save_pretrained(directory, max_shard_size="100000GB")
+        if first:
+            self.tokenizer.save_pretrained(directory)
+        if training_state:
+            state = directory / TRAINING_STATE_DIR
+            self.engine.save_checkpoint(str(state), tag=TRAINING_STATE_TAG, save_latest=False)
+            if first:
+                layout = {"world_size": distributed.size(), "zero_stage": self.spec.trainer.zero_stage}
+                (state / TRAINING_STATE_FILE).write_text(json.dumps(layout))
 
     def close(self) -> None:
         """Release the engine's memory before the next job."""

@@ -1,16 +1,23 @@
-"""The trainer process: the ``verst.v1.Trainer`` gRPC service beside the job consumer loop."""
+"""The trainer process: the ``verst.v1.Trainer`` gRPC service beside the job consumer loop.
+
+One process by default. Under a launcher (``torchrun --nproc_per_node=N -m services.trainer``)
+rank 0 is this service and the other ranks follow it (services/trainer/distributed.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import grpc
+import torch
 
 from services.common.bus import Bus
 from services.common.grpc_server import Register, serve
 from services.common.pb import trainer_pb2, trainer_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.trainer.config import TrainerSettings
+from services.trainer.distributed import World, follow, start_leader, world_from_env
 from services.trainer.job import CheckpointUnavailable
 from services.trainer.worker import NoJobError, TrainerWorker
 
@@ -59,14 +66,18 @@ def registrar(worker: TrainerWorker) -> Register:
     return register
 
 
-async def serve_trainer(settings: TrainerSettings) -> None:
-    """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
-    from services.trainer.policy import select_device  # torch is slow to import
+def trainer_device(settings: TrainerSettings) -> torch.device:
+    from services.trainer.policy import select_device
 
     try:
-        device = select_device(settings.device)
+        return select_device(settings.device)
     except RuntimeError as err:
         raise SystemExit(f"{settings.service_name}: {err}") from None
+
+
+async def serve_trainer(settings: TrainerSettings, device: torch.device | None = None) -> None:
+    """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
+    device = device or trainer_device(settings)
     bus = Bus.from_url(require_redis_url(settings))
     worker = TrainerWorker(bus, settings, device)
     try:
@@ -75,9 +86,39 @@ async def serve_trainer(settings: TrainerSettings) -> None:
         await bus.close()
 
 
+def run_rank(settings: TrainerSettings, world: World) -> None:
+    """One of several trainer processes: join the group, then lead (rank 0) or follow."""
+    from services.trainer.policy import init_distributed
+
+    device = trainer_device(settings)
+    if world.leader:
+        require_redis_url(settings)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    init_distributed(device, timedelta(seconds=settings.distributed_timeout_s))
+    if not world.leader:
+        follow(device)
+    else:
+        leader = start_leader(settings.distributed_timeout_s)
+        try:
+            asyncio.run(serve_trainer(settings, device))
+        finally:
+            leader.close()  # the followers exit once the step in progress, if any, is over
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
-    """``python -m services.trainer``: settings from VERST_TRAINER_* and REDIS_URL."""
+    """``python -m services.trainer``: settings from VERST_TRAINER_* and REDIS_URL; under
+    torchrun or the deepspeed launcher (WORLD_SIZE > 1), one rank of a data parallel trainer."""
     settings = load_settings(TrainerSettings)
-    setup_logging(settings.service_name, settings.log_level)
+    try:
+        world = world_from_env()
+    except ValueError as err:
+        raise SystemExit(f"{settings.service_name}: {err}") from None
+    name = settings.service_name if world.leader else f"{settings.service_name}[{world.rank}]"
+    setup_logging(name, settings.log_level)
+    if world.size > 1:
+        run_rank(settings, world)
+        return
     require_redis_url(settings)
     asyncio.run(serve_trainer(settings))

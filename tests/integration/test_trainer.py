@@ -347,7 +347,10 @@ async def test_bad_jobs_fail_with_the_reason_and_the_trainer_carries_on(
         "no-model": (job_spec(tmp_path / "missing", tmp_path), "does not exist"),
         "bad-spec": (json.dumps({"trainer": {"stepz": 3}}), "trainer.stepz"),
         "not-json": ("{", "JSONDecodeError"),
-        "kl": (job_spec(model_dir, tmp_path) | {"algorithm": {"kl_coef": 0.1}}, "algorithm.kl_coef"),
+        "own-optimiser": (
+            job_spec(model_dir, tmp_path, deepspeed={"optimizer": {"type": "Adam"}}),
+            "trainer.deepspeed may not set optimizer",
+        ),
     }
     async with trainer(bus):
         for job_id, (spec, _) in bad_jobs.items():

@@ -1,9 +1,12 @@
 """The trainer's parts that need neither Redis nor a model: the group collector, the checkpoint
-store and the learning-rate schedule."""
+store, the learning-rate schedule, per-token collation, the micro-batch objective and the
+preparation of a step (old logprobs, TIS, advantages, staleness) with stand-in models."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +14,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.api.job_driver import DROP_METRICS
 from services.common.bus import Delivery
-from services.common.config import TrainerConfig
+from services.common.config import AlgorithmConfig, JobSpec, JobSpecError, TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2
+from services.trainer.batching import TrainSample, collate, token_logprobs
 from services.trainer.checkpoints import CheckpointStore
 from services.trainer.collector import GroupCollector, Outcome
+from services.trainer.losses import get_policy_loss
+from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
 from services.trainer.policy import learning_rate_schedule
+from services.trainer.prepare import prepare
+from services.trainer.regularizers import token_entropy
 
 
 def trajectory(group: str, index: int, *, version: int = 0, reward: float = 0.0, **fields: Any) -> Any:
@@ -104,3 +113,184 @@ def test_a_resumed_schedule_carries_on_where_it_was() -> None:
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     config = TrainerConfig(steps=10, learning_rate=1.0, warmup_steps=2, scheduler="linear")
     assert learning_rate_schedule(optimizer, config, 3).get_last_lr() == [pytest.approx(7 / 8)]
+
+
+# -- per-token samples, the micro-batch objective, step preparation ----------------------------
+
+
+def sample(prompt: list[int], response: list[int], **fields: Any) -> TrainSample:
+    values: dict[str, Any] = {
+        "loss_mask": [True] * len(response),
+        "behaviour_logprobs": [-1.0] * len(response),
+        "advantage": 1.0,
+    }
+    return TrainSample(prompt, response, **(values | fields))
+
+
+def test_collate_places_every_per_token_field_on_the_response_targets() -> None:
+    rich = sample(
+        [1, 5], [6, 7, 8],
+        advantage=[0.1, 0.2, 0.3], old_logprobs=[-0.5, -0.6, -0.7], ref_logprobs=[-0.4, -0.4, -0.4],
+        returns=[1.0, 1.0, 1.0], old_values=[0.2, 0.3, 0.4], is_weights=[1.0, 0.5, 2.0], weight=0.25,
+    )  # fmt: skip
+    plain = sample([1, 4, 3, 5], [2], advantage=-1.0)
+    batch = collate([rich, plain], [0.5, 1.0], "cpu")
+    assert batch.advantages[0, 1:4].tolist() == pytest.approx([0.1, 0.2, 0.3])
+    assert batch.old_logprobs[0, 1:4].tolist() == pytest.approx([-0.5, -0.6, -0.7])
+    assert batch.ref_logprobs[0, 1:4].tolist() == pytest.approx([-0.4] * 3)
+    assert batch.old_values[0, 1:4].tolist() == pytest.approx([0.2, 0.3, 0.4])
+    assert batch.is_weights[0, 1:4].tolist() == [1.0, 0.5, 2.0]
+    assert batch.weights[0].tolist() == [0.0, 0.125, 0.125, 0.125]  # aggregation x sample weight
+    # Where a sample has none: old = behaviour, TIS weight 1, the scalar advantage broadcast.
+    assert batch.old_logprobs[1, 3] == -1.0 and batch.is_weights[1].tolist() == [1.0] * 4
+    assert batch.advantages[1].tolist() == [0.0, 0.0, 0.0, -1.0]
+    assert (batch.tokens, batch.padded_tokens) == (10, 10)
+    with pytest.raises(ValueError, match="one advantage per response token"):
+        collate([sample([1], [2, 3], advantage=[1.0])], [1.0], "cpu")
+
+
+def test_optimiser_steps_cover_every_sample_once_per_epoch() -> None:
+    plan = optimiser_step_plan(7, epochs=3, mini_batches=2, seed=1)
+    assert len(plan) == 6
+    for epoch in range(3):
+        assert sorted(plan[2 * epoch] + plan[2 * epoch + 1]) == list(range(7))
+    assert optimiser_step_plan(3, 2, 1, 0) == [[0, 1, 2], [0, 1, 2]]
+    assert len(optimiser_step_plan(2, 1, 4, 0)) == 2  # no empty mini-batch
+
+
+def objective(algorithm: AlgorithmConfig, batch: Any, logits: torch.Tensor) -> tuple[torch.Tensor, Totals]:
+    totals = Totals()
+    loss = micro_batch_loss(logits, batch, algorithm, get_policy_loss(algorithm.policy_loss), totals)
+    return loss, totals
+
+
+def test_the_micro_batch_loss_adds_tis_kl_and_entropy_terms() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    ids = torch.randint(3, 11, (2, 5), generator=gen)
+    own = token_logprobs(logits, ids)
+    samples = [
+        sample(ids[r, :2].tolist(), ids[r, 2:].tolist(), old_logprobs=own[r, 1:].tolist(),
+               ref_logprobs=(own[r, 1:] - 0.3).tolist(), advantage=[1.0, -0.5, 2.0])
+        for r in range(2)
+    ]  # fmt: skip
+    batch = collate(samples, [1 / 6, 1 / 6], "cpu")
+    plain_loss, plain = objective(AlgorithmConfig(), batch, logits)
+    # At ratio 1 the policy loss is -sum(w A): 2 rows x (1 - 0.5 + 2) / 6.
+    assert float(plain_loss) == pytest.approx(-2 * 2.5 / 6) and plain.kl_loss == plain.entropy_loss == 0.0
+    assert plain.entropy / plain.loss_tokens == pytest.approx(float(token_entropy(logits[:, 1:-1]).mean()))
+    halved = collate([dataclasses.replace(s, is_weights=[0.5] * 3) for s in samples], [1 / 6, 1 / 6], "cpu")
+    assert float(objective(AlgorithmConfig(), halved, logits)[0]) == pytest.approx(float(plain_loss) / 2)
+    with_kl = AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    loss, totals = objective(with_kl, batch, logits)
+    assert totals.kl / totals.loss_tokens == pytest.approx(0.3, abs=1e-5)  # k1 = logp - logp_ref
+    assert totals.kl_loss == pytest.approx(0.1 * 0.3, abs=1e-6)  # the token weights sum to 1
+    assert totals.entropy_loss == pytest.approx(-0.01 * plain.entropy / plain.loss_tokens, rel=1e-5)
+    assert float(loss) == pytest.approx(float(plain_loss) + totals.kl_loss + totals.entropy_loss)
+    in_reward = AlgorithmConfig(advantage="reinforce_pp", kl_coef=0.1, kl_in_reward=True)
+    loss, totals = objective(in_reward, batch, logits)
+    assert totals.kl_loss == 0.0 and totals.kl > 0 and float(loss) == pytest.approx(float(plain_loss))
+
+
+class FixedLogprobs:
+    """Stands in for the policy, the reference or the critic: one list per sample."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        self.rows = rows
+
+    def response_logprobs(self, samples: Any) -> list[list[float]]:
+        assert len(samples) == len(self.rows)
+        return self.rows
+
+    values = response_logprobs
+
+
+def groups_of(rewards: list[list[float]], versions: list[list[int]]) -> list[list[Any]]:
+    return [
+        [trajectory(f"g{g}", i, reward=r, policy_versions=[versions[g][i]] * 2) for i, r in enumerate(row)]
+        for g, row in enumerate(rewards)
+    ]
+
+
+def spec_with(**algorithm: Any) -> JobSpec:
+    return parse_job_spec({"algorithm": {"group_size": 2, **algorithm}})
+
+
+def test_prepare_broadcasts_outcome_advantages_and_measures_the_mismatch() -> None:
+    groups = groups_of([[1.0, 0.0], [0.0, 0.0]], [[3, 3], [3, 3]])
+    # behaviour logprobs are [-1, -2]; the trainer sees -1 + log 3 on the first token of sample 0.
+    old = [[-1.0 + math.log(3.0), -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]]
+    prepared = prepare(groups, spec_with(tis_cap=2.0), 3, FixedLogprobs(old))
+    first = prepared.samples[0]
+    assert first.advantage == pytest.approx([0.7071, 0.7071], abs=1e-3)  # grpo, broadcast
+    assert first.old_logprobs == old[0] and first.is_weights == pytest.approx([2.0, 1.0])
+    assert prepared.tis_capped_fraction == 1 / 8
+    assert prepared.mismatch_kl == pytest.approx((3 - 1 - math.log(3)) / 8)
+    assert prepared.rewards == [1.0, 0.0, 0.0, 0.0] and prepared.lags == [0] * 4
+    off = prepare(groups, spec_with(), 3, FixedLogprobs(old))
+    assert off.samples[0].is_weights is None and off.tis_capped_fraction == 0.0
+    assert off.mismatch_kl == prepared.mismatch_kl  # measured with TIS off too
+
+
+def test_prepare_downweights_or_drops_stale_samples_and_counts_them() -> None:
+    groups = groups_of([[1.0, 0.0], [0.0, 1.0]], [[5, 5], [2, 4]])
+    old = [[-1.0, -2.0]] * 4
+    down = prepare(
+        groups, spec_with(max_staleness=1, stale_policy="downweight", stale_decay=0.5), 5, FixedLogprobs(old)
+    )
+    assert [s.weight for s in down.samples] == [1.0, 1.0, 0.25, 1.0]  # lag 3 is 2 beyond the bound
+    assert (down.stale_downweighted, down.stale_dropped) == (1, 0)
+    metrics = down.metrics()
+    assert (metrics["staleness_lag_0"], metrics["staleness_lag_1"], metrics["staleness_lag_3"]) == (2, 1, 1)
+    assert metrics["staleness_max"] == 3 and metrics["staleness_mean"] == 1.0
+    dropped = prepare(groups, spec_with(max_staleness=1), 5, FixedLogprobs(old))
+    assert len(dropped.samples) == 3 and dropped.stale_dropped == 1
+    assert dropped.metrics()["stale_samples_dropped"] == 1
+
+
+def test_prepare_folds_the_kl_into_token_rewards_for_reinforce_pp() -> None:
+    groups = groups_of([[1.0, 1.0], [1.0, 1.0]], [[0, 0], [0, 0]])
+    old = [[-1.0, -2.0]] * 4
+    ref = [[-1.0, -2.0], [-1.5, -2.0], [-1.0, -3.0], [-2.0, -3.0]]  # k1 sums: 0, 0.5, 1, 2
+    spec = spec_with(advantage="reinforce_pp", kl_coef=0.5, kl_estimator="k1", kl_in_reward=True)
+    prepared = prepare(groups, spec, 0, FixedLogprobs(old), reference=FixedLogprobs(ref))  # type: ignore[arg-type]
+    first = [s.advantage[0] for s in prepared.samples]  # type: ignore[index]
+    assert sorted(range(4), key=lambda i: first[i], reverse=True) == [0, 1, 2, 3]
+    assert prepared.samples[1].ref_logprobs == ref[1]
+    # Without the KL every return is the same reward: nothing to learn.
+    plain = prepare(groups, spec_with(advantage="reinforce_pp"), 0, FixedLogprobs(old))
+    assert all(a == 0.0 for s in plain.samples for a in s.advantage)  # type: ignore[union-attr]
+
+
+def test_prepare_gives_gae_whitened_advantages_and_the_critics_targets() -> None:
+    groups = groups_of([[1.0, 0.0]], [[0, 0]])
+    values = [[0.5, 0.5], [0.1, 0.2]]
+    spec = spec_with(advantage="gae", gamma=1.0, gae_lambda=1.0)
+    prepared = prepare(groups, spec, 0, FixedLogprobs([[-1.0, -2.0]] * 2), critic=FixedLogprobs(values))  # type: ignore[arg-type]
+    first, second = prepared.samples
+    assert first.returns == [1.0, 1.0] and second.returns == [0.0, 0.0]  # lambda 1: returns = rewards
+    assert first.old_values == values[0]
+    advantages = torch.tensor([first.advantage, second.advantage])
+    assert float(advantages.mean()) == pytest.approx(0.0, abs=1e-9) and float(
+        advantages.std(correction=0)
+    ) == pytest.approx(1.0, abs=1e-4)
+    assert min(first.advantage) > 0 > max(second.advantage)  # type: ignore[arg-type]
+
+
+def test_kl_in_reward_needs_a_token_estimator_and_a_coefficient() -> None:
+    with pytest.raises(JobSpecError, match=r"algorithm\.kl_in_reward: .*token-level advantage"):
+        parse_job_spec({"algorithm": {"kl_coef": 0.1, "kl_in_reward": True}})
+    with pytest.raises(JobSpecError, match=r"algorithm\.kl_in_reward: .*kl_coef > 0"):
+        parse_job_spec({"algorithm": {"advantage": "reinforce_pp", "kl_in_reward": True}})
+
+
+def test_step_metrics_never_count_as_dropped_groups() -> None:
+    """The controller replaces every group a trainer metric reports in DROP_METRICS: a step's own
+    metrics must not use those names, or each step would issue replacements."""
+    stats = StepStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1e-3, 1, 10, 12, critic_steps=1)
+    prepared = prepare(groups_of([[1.0, 0.0]], [[0, 0]]), spec_with(), 0, FixedLogprobs([[-1.0, -2.0]] * 2))
+    names = set(stats.metrics()) | set(prepared.metrics())
+    assert {"value_loss", "padding_waste", "mismatch_kl", "staleness_lag_0"} <= names
+    assert stats.padding_waste == pytest.approx(1 / 6)
+    assert not names & set(DROP_METRICS)
+    assert "zero_variance_dropped" in DROP_METRICS

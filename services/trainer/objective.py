@@ -1,0 +1,183 @@
+"""The policy's objective on one micro-batch, and the statistics of a rollout batch's optimisation.
+
+The loss of a micro-batch is the sum of its parts, each weighted by the aggregation
+weights of the whole optimiser step (so accumulated micro-batches give the
+mini-batch gradient):
+
+- the policy loss (``algorithm.policy_loss``) on the ratio to the trainer's *old*
+  logprobs (fixed when the step began), each token's loss times its TIS weight;
+- ``kl_coef`` x the KL estimator to the reference model, unless ``kl_in_reward``
+  folded it into the rewards already;
+- ``-entropy_coef`` x the policy's entropy.
+
+Entropy and KL are measured on every micro-batch (without a gradient when their
+coefficient is 0), so they are logged whatever the configuration.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.config import AlgorithmConfig
+from services.trainer.batching import MicroBatch, token_logprobs
+from services.trainer.critic import CriticStats
+from services.trainer.losses import PolicyLossFn, PolicyLossInputs
+from services.trainer.regularizers import entropy_bonus, get_kl_estimator, kl_loss, token_entropy
+
+
+def optimiser_step_plan(count: int, epochs: int, mini_batches: int, seed: int) -> list[list[int]]:
+    """Sample indices of each optimiser step: ``epochs`` passes, each split into
+    ``mini_batches`` disjoint parts (shuffled per pass when there are several)."""
+    rng = random.Random(seed)
+    plan: list[list[int]] = []
+    for _ in range(epochs):
+        order = list(range(count))
+        if mini_batches > 1:
+            rng.shuffle(order)
+        plan.extend(part for k in range(mini_batches) if (part := order[k::mini_batches]))
+    return plan
+
+
+@dataclass(slots=True)
+class Totals:
+    """Sums over the micro-batches of one optimiser step; means are token-weighted sums."""
+
+    loss: float = 0.0
+    policy_loss: float = 0.0
+    kl_loss: float = 0.0
+    entropy_loss: float = 0.0
+    clipped: float = 0.0
+    approx_kl: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    loss_tokens: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+
+
+def _token_sum(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(torch.where(mask, values.detach().float(), 0.0).sum())
+
+
+def micro_batch_loss(
+    logits: torch.Tensor, batch: MicroBatch, algorithm: AlgorithmConfig, loss_fn: PolicyLossFn, totals: Totals
+) -> torch.Tensor:
+    """The micro-batch's loss (to backpropagate); adds its statistics to ``totals``."""
+    logprobs = token_logprobs(logits, batch.input_ids)
+    mask = batch.mask
+    policy = loss_fn(
+        PolicyLossInputs(
+            logprobs, batch.old_logprobs, batch.advantages, mask, batch.weights * batch.is_weights
+        ),
+        algorithm,
+    )
+    loss = policy.loss
+    totals.policy_loss += float(policy.loss.detach())
+    totals.clipped += policy.clip_fraction * policy.tokens
+    totals.approx_kl += policy.approx_kl * policy.tokens
+    totals.loss_tokens += policy.tokens
+    if algorithm.kl_coef > 0:
+        with torch.no_grad():
+            per_token = get_kl_estimator(algorithm.kl_estimator)(logprobs, batch.ref_logprobs)
+            totals.kl += _token_sum(per_token, mask)
+        if not algorithm.kl_in_reward:
+            term = kl_loss(
+                logprobs, batch.ref_logprobs, mask, batch.weights, algorithm.kl_estimator, algorithm.kl_coef
+            )
+            totals.kl_loss += float(term.detach())
+            loss = loss + term
+    with torch.set_grad_enabled(algorithm.entropy_coef > 0 and torch.is_grad_enabled()):
+        entropy = token_entropy(logits[:, :-1].float())
+        totals.entropy += _token_sum(entropy, mask)
+        if algorithm.entropy_coef > 0:
+            term = entropy_bonus(entropy, mask, batch.weights, algorithm.entropy_coef)
+            totals.entropy_loss += float(term.detach())
+            loss = loss + term
+    totals.loss += float(loss.detach())
+    totals.tokens += batch.tokens
+    totals.padded_tokens += batch.padded_tokens
+    return loss
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one rollout batch's optimisation did: losses are means over its optimiser steps,
+    per-token quantities means over every loss token seen."""
+
+    loss: float
+    policy_loss: float
+    kl_loss: float
+    entropy_loss: float
+    clip_fraction: float
+    approx_kl: float
+    """k3 estimate of KL(old || new) over the tokens: how far the steps moved the policy."""
+    kl: float
+    """Mean KL estimate (algorithm.kl_estimator) to the reference model; 0 without one."""
+    entropy: float
+    grad_norm: float
+    learning_rate: float
+    optimizer_steps: int
+    tokens: int
+    """Tokens run through forward and backward, prompts included, over all passes."""
+    padded_tokens: int
+    """Tokens the forward passes computed, padding included."""
+    critic_steps: int = 0
+    """Optimiser steps of the critic (0 without one)."""
+    value_loss: float = 0.0
+    value_clip_fraction: float = 0.0
+    critic_grad_norm: float = 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        """Share of the computed tokens that were padding."""
+        return 1.0 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        values = {
+            name: float(getattr(self, name))
+            for name in (
+                "loss", "policy_loss", "kl_loss", "entropy_loss", "clip_fraction", "approx_kl", "kl",
+                "entropy", "grad_norm", "learning_rate", "optimizer_steps", "padding_waste",
+            )
+        }  # fmt: skip
+        if self.critic_steps:
+            values |= {
+                "value_loss": self.value_loss,
+                "value_clip_fraction": self.value_clip_fraction,
+                "critic_grad_norm": self.critic_grad_norm,
+            }
+        return values
+
+
+def combine(
+    steps: Sequence[tuple[Totals, float]], critic: Sequence[CriticStats], learning_rate: float
+) -> StepStats:
+    """One StepStats from each optimiser step's totals and grad norm (and the critic's steps)."""
+    if not steps:
+        raise ValueError("no optimiser steps to combine")
+    count = len(steps)
+    tokens = sum(t.loss_tokens for t, _ in steps) or 1
+    critic_tokens = sum(c.tokens for c in critic) or 1
+    return StepStats(
+        loss=sum(t.loss for t, _ in steps) / count,
+        policy_loss=sum(t.policy_loss for t, _ in steps) / count,
+        kl_loss=sum(t.kl_loss for t, _ in steps) / count,
+        entropy_loss=sum(t.entropy_loss for t, _ in steps) / count,
+        clip_fraction=sum(t.clipped for t, _ in steps) / tokens,
+        approx_kl=sum(t.approx_kl for t, _ in steps) / tokens,
+        kl=sum(t.kl for t, _ in steps) / tokens,
+        entropy=sum(t.entropy for t, _ in steps) / tokens,
+        grad_norm=sum(norm for _, norm in steps) / count,
+        learning_rate=learning_rate,
+        optimizer_steps=count,
+        tokens=sum(t.tokens for t, _ in steps),
+        padded_tokens=sum(t.padded_tokens for t, _ in steps),
+        critic_steps=len(critic),
+        value_loss=sum(c.loss for c in critic) / len(critic) if critic else 0.0,
+        value_clip_fraction=sum(c.clip_fraction * c.tokens for c in critic) / critic_tokens,
+        critic_grad_norm=sum(c.grad_norm for c in critic) / len(critic) if critic else 0.0,
+    )

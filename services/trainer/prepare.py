@@ -1,0 +1,178 @@
+"""A rollout batch made ready to optimise: everything fixed before the first optimiser step.
+
+For the groups of one step (blocking; run in a thread):
+
+1. old logprobs: the trainer's log p of every response token under the current
+   weights (PPO's old policy; the ratio's denominator in every epoch);
+2. reference logprobs (``kl_coef > 0``) and the critic's values (``gae``);
+3. truncated importance sampling: w = min(p_old / p_behaviour, tis_cap) per token,
+   the engine's sampling distribution corrected to the trainer's, and the mismatch
+   KL(behaviour || old), measured every step whether TIS is on or not;
+4. advantages per token (``get_token_advantage``, for every estimator; the outcome
+   ones broadcast their per-sample value); with ``kl_in_reward`` the KL penalty is
+   each token's reward; GAE's advantages are whitened over the batch;
+5. staleness: each sample's lag (trainer version - its oldest token's version)
+   beyond ``max_staleness`` drops it or scales its loss weight (``stale_policy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.common.config import JobSpec
+from services.common.pb import common_pb2
+from services.trainer.advantages import TokenAdvantageInputs, TokenAdvantages, get_token_advantage, whiten
+from services.trainer.batching import TrainSample, response_mask, response_matrix, unpad
+from services.trainer.critic import Critic
+from services.trainer.reference import ReferenceModel
+from services.trainer.regularizers import get_stale_policy, kl_reward_penalty, truncated_importance_weights
+
+HISTOGRAM_BUCKETS = 8
+"""Staleness histogram: one count per lag 0..7, then one for every larger lag."""
+
+
+class LogprobSource(Protocol):
+    def response_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    samples: list[TrainSample]
+    """The samples to train on (stale ones dropped under ``drop``)."""
+    rewards: list[float]
+    """The outcome reward of every sample of the groups, dropped ones included."""
+    lags: list[int]
+    """Each sample's version lag, dropped ones included."""
+    stale_dropped: int
+    stale_downweighted: int
+    mismatch_kl: float
+    """k3 estimate of KL(behaviour || trainer old), mean over loss tokens."""
+    tis_capped_fraction: float
+    """Share of loss tokens whose importance ratio was above tis_cap (0 without TIS)."""
+
+    def metrics(self) -> dict[str, float]:
+        values = {
+            "mismatch_kl": self.mismatch_kl,
+            "tis_capped_fraction": self.tis_capped_fraction,
+            "stale_samples_dropped": float(self.stale_dropped),
+            "stale_downweighted": float(self.stale_downweighted),
+            "staleness_max": float(max(self.lags, default=0)),
+            "staleness_mean": sum(self.lags) / len(self.lags) if self.lags else 0.0,
+        }
+        for lag in range(HISTOGRAM_BUCKETS):
+            values[f"staleness_lag_{lag}"] = float(self.lags.count(lag))
+        values[f"staleness_lag_{HISTOGRAM_BUCKETS}_plus"] = float(
+            sum(1 for lag in self.lags if lag >= HISTOGRAM_BUCKETS)
+        )
+        return values
+
+
+def base_samples(groups: Sequence[Sequence[common_pb2.Trajectory]]) -> list[TrainSample]:
+    """One sample per trajectory, groups in order, advantages still 0."""
+    return [
+        TrainSample(
+            prompt_token_ids=list(t.prompt_token_ids),
+            response_token_ids=list(t.response_token_ids),
+            loss_mask=list(t.loss_mask),
+            behaviour_logprobs=list(t.behaviour_logprobs),
+            advantage=0.0,
+        )
+        for group in groups
+        for t in group
+    ]
+
+
+def version_lags(groups: Sequence[Sequence[common_pb2.Trajectory]], version: int) -> list[int]:
+    """trainer version - the oldest policy version of each sample's tokens (0 without tokens)."""
+    oldest = [min(t.policy_versions, default=version) for group in groups for t in group]
+    return [max(version - first, 0) for first in oldest]
+
+
+def token_advantages(
+    spec: JobSpec,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    old: torch.Tensor,
+    ref: list[list[float]] | None,
+    values: list[list[float]] | None,
+) -> TokenAdvantages:
+    """``algorithm.advantage`` per token; with ``kl_in_reward`` each token's reward is
+    -kl_coef x KL(old || ref) there (REINFORCE++), computed on the trainer's old logprobs."""
+    algorithm = spec.algorithm
+    token_rewards = None
+    if algorithm.kl_in_reward:
+        if ref is None:
+            raise ValueError("algorithm.kl_in_reward needs the reference model")
+        token_rewards = kl_reward_penalty(
+            old, response_matrix(ref), mask, algorithm.kl_estimator, algorithm.kl_coef
+        )
+    return get_token_advantage(algorithm.advantage)(
+        TokenAdvantageInputs(
+            rewards=rewards,
+            mask=mask,
+            token_rewards=token_rewards,
+            values=response_matrix(values) if values is not None else None,
+            gamma=algorithm.gamma,
+            lam=algorithm.gae_lambda,
+        )
+    )
+
+
+def prepare(
+    groups: Sequence[Sequence[common_pb2.Trajectory]],
+    spec: JobSpec,
+    version: int,
+    policy: LogprobSource,
+    reference: ReferenceModel | None = None,
+    critic: Critic | None = None,
+) -> Prepared:
+    """The step's samples with old logprobs, advantages and weights (see the module docstring)."""
+    algorithm = spec.algorithm
+    samples = base_samples(groups)
+    if not samples:
+        raise ValueError("no samples to prepare")
+    rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)
+    lags = version_lags(groups, version)
+    staleness = get_stale_policy(algorithm.stale_policy)(lags, algorithm.max_staleness, algorithm.stale_decay)
+    mask = response_mask(samples)
+    old = policy.response_logprobs(samples)
+    old_m = response_matrix(old)
+    ref = reference.response_logprobs(samples) if reference is not None else None
+    values = critic.values(samples) if critic is not None else None
+    tis = truncated_importance_weights(
+        old_m, response_matrix([s.behaviour_logprobs for s in samples]), mask, algorithm.tis_cap or math.inf
+    )
+    estimated = token_advantages(spec, rewards, mask, old_m, ref, values)
+    advantages = estimated.advantages
+    if algorithm.advantage == "gae":  # the usual PPO practice; returns (the critic's targets) stay raw
+        advantages = whiten(advantages, mask)
+    per_sample = {
+        "advantage": unpad(advantages, samples),
+        "old_logprobs": old,
+        "ref_logprobs": ref,
+        "returns": unpad(estimated.returns, samples) if critic is not None else None,
+        "old_values": values,
+        "is_weights": unpad(tis.weights, samples) if algorithm.tis_cap is not None else None,
+        "weight": staleness.weights,
+    }
+    filled = {name: column for name, column in per_sample.items() if column is not None}
+    kept = [
+        dataclasses.replace(sample, **{name: column[i] for name, column in filled.items()})
+        for i, sample in enumerate(samples)
+        if staleness.keep[i]
+    ]
+    return Prepared(
+        samples=kept,
+        rewards=rewards.flatten().tolist(),
+        lags=lags,
+        stale_dropped=staleness.dropped,
+        stale_downweighted=staleness.downweighted,
+        mismatch_kl=tis.mismatch_kl,
+        tis_capped_fraction=tis.capped_fraction if algorithm.tis_cap is not None else 0.0,
+    )

@@ -1,0 +1,263 @@
+"""Every algorithm of the trainer on a tiny random Llama: each improves its objective on a fixed
+batch; the KL term pulls the policy toward the reference; TIS weights scale the policy gradient;
+and a whole job (PPO with a critic, KL, entropy, TIS, staleness downweighting and the
+zero-variance filter) trains through Redis, reports its metrics and checkpoints its critic."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.common.basemodel import build_char_tokenizer
+from services.common.bus import Bus
+from services.common.config import JobSpec, parse_job_spec
+from services.common.pb import common_pb2
+from services.common.streams import JobStreams
+from services.trainer.checkpoints import TRAINED_IDS_FILE
+from services.trainer.critic import CRITIC_DIR, HEAD_FILE, Critic
+from services.trainer.job import TRAJECTORY_GROUP
+from services.trainer.policy import Policy, init_distributed
+from services.trainer.prepare import base_samples, prepare
+from services.trainer.reference import ReferenceModel
+from services.trainer.regularizers import k3
+from tests.integration.rollout_helpers import tiny_llama
+from tests.integration.test_trainer import (
+    CPU,
+    checkpoint,
+    encode,
+    final_status,
+    make_group,
+    metrics_of,
+    model_dir,  # noqa: F401 (a fixture)
+    response_logprobs,
+    submit,
+    trainer,
+)
+
+Trajectory = common_pb2.Trajectory
+
+
+def spec_of(model: Path, algorithm: dict[str, Any], **trainer_fields: Any) -> JobSpec:
+    return parse_job_spec(
+        {
+            "model": {"path": str(model)},
+            "algorithm": {"group_size": 4, "max_staleness": 0, **algorithm},
+            "rollout": {"prompts_per_step": 3, "max_new_tokens": 8},
+            "trainer": {"learning_rate": 3e-3, "micro_batch_tokens": 40, **trainer_fields},
+        }
+    )
+
+
+def fixed_groups(model: Path, rewards: tuple[float, ...] = (1.0, 0.0, 1.0, 0.0)) -> list[list[Trajectory]]:
+    """Three prompts, four random responses each (rewards as given), sampled by ``model`` at v0."""
+    rng = random.Random(0)
+    groups = []
+    for g in range(3):
+        prompt = encode(f"{11 + g}+{22 + g}=")
+        group = []
+        for i, reward in enumerate(rewards):
+            response = [rng.randint(4, 98) for _ in range(rng.randint(2, 6))] + [2]
+            group.append(
+                Trajectory(
+                    id=f"g{g}:{i}",
+                    group_id=f"g{g}",
+                    sample_index=i,
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    behaviour_logprobs=response_logprobs(model, prompt, response),
+                    loss_mask=[True] * len(response),
+                    policy_versions=[0] * len(response),
+                    reward=reward,
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def load_policy(spec: JobSpec, weights: Path) -> Policy:
+    init_distributed(CPU)
+    return Policy.load(spec, weights, weights, CPU)
+
+
+def mean_logprobs(policy: Policy, groups: list[list[Trajectory]]) -> dict[float, float]:
+    """The mean per-token logprob of the responses of each reward."""
+    members = [t for group in groups for t in group]
+    samples = base_samples(groups)
+    by_reward: dict[float, list[float]] = {}
+    for t, logprobs in zip(members, policy.response_logprobs(samples), strict=True):
+        by_reward.setdefault(t.reward, []).append(statistics.fmean(logprobs))
+    return {reward: statistics.fmean(values) for reward, values in by_reward.items()}
+
+
+ALGORITHMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "grpo": ({}, {}),
+    "dr_grpo": ({"advantage": "dr_grpo", "loss_aggregation": "constant"}, {}),
+    "rloo": ({"advantage": "rloo"}, {}),
+    "reinforce_pp": ({"advantage": "reinforce_pp"}, {}),
+    "reinforce_pp_baseline": ({"advantage": "reinforce_pp_baseline"}, {}),
+    "gspo": ({"policy_loss": "gspo", "loss_aggregation": "sequence_mean"}, {}),
+    "ppo_gae": (
+        {"advantage": "gae", "gae_lambda": 0.95, "critic_learning_rate": 3e-3},
+        {"ppo_epochs": 2, "mini_batches": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_each_algorithm_raises_the_likelihood_of_rewarded_responses(name: str, model_dir: Path) -> None:  # noqa: F811
+    algorithm, trainer_fields = ALGORITHMS[name]
+    spec = spec_of(model_dir, algorithm, **trainer_fields)
+    groups = fixed_groups(model_dir)
+    policy = load_policy(spec, model_dir)
+    critic = Critic.load(spec, model_dir, CPU) if algorithm.get("advantage") == "gae" else None
+    try:
+        before = mean_logprobs(policy, groups)
+        runs = []
+        for step in range(4):  # each round: old logprobs, values and advantages afresh, then optimise
+            prepared = prepare(groups, spec, 0, policy, critic=critic)
+            runs.append(policy.optimise(prepared.samples, seed=step, critic=critic))
+        after = mean_logprobs(policy, groups)
+    finally:
+        policy.close()
+    gap_before, gap_after = before[1.0] - before[0.0], after[1.0] - after[0.0]
+    assert gap_after > gap_before + 0.1, (before, after)
+    assert after[1.0] > before[1.0] and after[0.0] < before[0.0]
+    steps = trainer_fields.get("ppo_epochs", 1) * trainer_fields.get("mini_batches", 1)
+    assert all(run.optimizer_steps == steps and math.isfinite(run.loss) for run in runs)
+    assert all(0.0 < run.padding_waste < 1.0 and run.grad_norm > 0 for run in runs)
+    if critic is not None:
+        assert runs[-1].value_loss < runs[0].value_loss, [run.value_loss for run in runs]
+        assert runs[0].critic_steps == steps and runs[-1].approx_kl > 0  # later mini-batches moved
+
+
+def test_the_kl_term_pulls_the_policy_toward_the_reference(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    other = tmp_path / "other"
+    policy_model = tiny_llama(1, heads=2, max_positions=64, vocab=len(build_char_tokenizer()))
+    with torch.no_grad():  # sharper logits than the near-uniform random reference
+        policy_model.model.norm.weight.mul_(10.0)
+    policy_model.save_pretrained(other)
+    build_char_tokenizer().save_pretrained(other)
+    # Equal rewards: no advantage, so any change comes from the KL term alone.
+    spec = spec_of(model_dir, {"kl_coef": 1.0, "kl_estimator": "k3"})
+    groups = fixed_groups(other, rewards=(1.0, 1.0, 1.0, 1.0))
+    policy = load_policy(spec, other)
+    reference = ReferenceModel.load(spec, model_dir, CPU)
+
+    def kl_to_reference() -> float:
+        """The mean k3 over the response tokens: what the KL term minimises."""
+        prepared = prepare(groups, spec, 0, policy, reference)
+        old = torch.tensor([lp for s in prepared.samples for lp in s.old_logprobs or []])
+        ref = torch.tensor([lp for s in prepared.samples for lp in s.ref_logprobs or []])
+        return float(k3(old, ref).mean())
+
+    try:
+        before = kl_to_reference()
+        for step in range(5):
+            stats = policy.optimise(prepare(groups, spec, 0, policy, reference).samples, seed=step)
+            assert stats.kl > 0 and stats.kl_loss > 0 and stats.policy_loss == 0.0
+        after = kl_to_reference()
+    finally:
+        policy.close()
+        reference.close()
+    assert before > 0.1 and after < 0.7 * before, (before, after)
+
+
+@pytest.mark.parametrize("cap", [None, 0.2])
+def test_truncated_importance_weights_scale_the_policy_gradient(
+    model_dir: Path,  # noqa: F811
+    cap: float | None,
+) -> None:
+    """The engine sampled with probabilities 4x the trainer's: the ratio p_old / p_behaviour is 1/4
+    on every token, capped at 0.2, so the first step's gradient is 0.2 x the uncorrected one."""
+    groups = fixed_groups(model_dir)
+    for t in (t for group in groups for t in group):
+        shifted = [lp + math.log(4.0) for lp in t.behaviour_logprobs]
+        del t.behaviour_logprobs[:]
+        t.behaviour_logprobs.extend(shifted)
+    norms = []
+    for tis_cap in (None, cap):
+        spec = spec_of(model_dir, {"tis_cap": tis_cap}, zero_stage=0, max_grad_norm=None)
+        policy = load_policy(spec, model_dir)
+        try:
+            prepared = prepare(groups, spec, 0, policy)
+            norms.append(policy.optimise(prepared.samples, seed=0).grad_norm)
+        finally:
+            policy.close()
+        assert prepared.mismatch_kl == pytest.approx(0.25 - 1 - math.log(0.25), abs=1e-4)
+        assert prepared.tis_capped_fraction == (1.0 if tis_cap else 0.0)
+    assert norms[1] == pytest.approx(norms[0] * (0.2 if cap else 1.0), rel=1e-4)
+
+
+async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
+    bus: Bus,
+    model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    job_id, runs = "ppo-0001", tmp_path / "runs"
+    streams = JobStreams(job_id)
+    spec = {
+        "name": "ppo",
+        "model": {"path": str(model_dir)},
+        "algorithm": {
+            "advantage": "gae", "group_size": 2, "max_staleness": 0, "stale_policy": "downweight",
+            "stale_decay": 0.5, "filter_zero_variance_groups": True, "kl_coef": 0.05,
+            "entropy_coef": 0.01, "tis_cap": 2.0, "critic_learning_rate": 1e-3,
+        },
+        "rollout": {"prompts_per_step": 2, "max_new_tokens": 8},
+        "trainer": {"steps": 2, "learning_rate": 1e-3, "micro_batch_tokens": 32, "ppo_epochs": 2,
+                    "checkpoint_dir": str(runs), "keep_checkpoints": 1},
+    }  # fmt: skip
+    async with trainer(bus):
+        await submit(bus, job_id, spec)
+        v0 = runs / job_id / "v000000"
+        await checkpoint(bus, job_id, 0)
+        assert (v0 / CRITIC_DIR / HEAD_FILE).is_file()
+        # Step 1: a group without reward variance is filtered, reported at once, and the step
+        # waits for a second group with a signal (the controller's replacement).
+        await bus.publish_many(
+            streams.trajectories,
+            make_group(job_id, "g0", (1.0, 0.0), 0, v0) + make_group(job_id, "flat", (1.0, 1.0), 0, v0),
+        )
+        await bus.publish_many(streams.trajectories, make_group(job_id, "g1", (0.0, 1.0), 0, v0))
+        v1 = Path((await checkpoint(bus, job_id, 1)).uri.removeprefix("file://"))
+        # Step 2: a group one version too old is downweighted, not dropped.
+        await bus.publish_many(
+            streams.trajectories,
+            make_group(job_id, "gs", (1.0, 0.0), 0, v0) + make_group(job_id, "g2", (0.0, 1.0), 1, v1),
+        )
+        v2 = Path((await checkpoint(bus, job_id, 2)).uri.removeprefix("file://"))
+        assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
+    assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
+    trained = set(json.loads((v2 / TRAINED_IDS_FILE).read_text()))
+    assert trained == {f"{g}:{i}" for g in ("g0", "g1", "gs", "g2") for i in range(2)}
+
+    metrics = await metrics_of(bus, job_id)
+    assert metrics[0]["zero_variance_dropped"] == 1  # reported before step 1, for replacement
+    assert metrics[1]["zero_variance_filtered"] == 1
+    assert metrics[1]["response_tokens"] == 12  # two full groups of 2 x 3 tokens
+    for step in (1, 2):
+        values = metrics[step]
+        assert values["kl"] > 0 and values["kl_loss"] > 0 and values["entropy"] > 0
+        assert values["entropy_loss"] < 0 and values["value_loss"] > 0 and values["critic_grad_norm"] > 0
+        assert values["optimizer_steps"] == 2 and values["tokens_per_s"] > 0
+        assert 0 <= values["padding_waste"] < 1
+    # Step 1's behaviour logprobs come from the trainer's weights; step 2's stale group from v0's.
+    assert metrics[1]["mismatch_kl"] < 1e-6 and metrics[1]["tis_capped_fraction"] == 0.0
+    assert metrics[2]["mismatch_kl"] > 1e-6
+    assert (metrics[1]["stale_downweighted"], metrics[1]["staleness_max"]) == (0, 0)
+    assert metrics[2]["stale_downweighted"] == 2 and metrics[2]["staleness_max"] == 1
+    assert (metrics[2]["staleness_lag_0"], metrics[2]["staleness_lag_1"]) == (2, 2)
+
+    # The critic was trained and checkpointed: v2's head is not v0's, and it loads back.
+    saved = load_file(str(v2 / CRITIC_DIR / HEAD_FILE))
+    assert not torch.equal(saved["weight"], load_file(str(v0 / CRITIC_DIR / HEAD_FILE))["weight"])
+    critic = Critic.load(parse_job_spec(spec), v2 / CRITIC_DIR, CPU)
+    assert torch.equal(critic.head.weight.detach(), saved["weight"])
