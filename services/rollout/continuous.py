@@ -85,6 +85,8 @@ class ContinuousBatch:
         self.rows: list[Row] = []
         self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
         """Where each slot's next token goes (= the tokens it has seen)."""
+        self.span = 0
+        """1 + the largest position of a live slot (kept here so a step needs no device sync)."""
         self.last_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.device = device
 
@@ -109,13 +111,15 @@ class ContinuousBatch:
                 slots.append([])
             slots[group].append(start + offset)
             row_groups.append(group)
-            self.sampler.assign(start + offset, request.config, row.seed)
+        self.sampler.assign_range(start, [r.request.config for r in rows], [r.seed for r in rows])
         self.decoder.reserve(max(len(r.request.prompt) + r.request.config.max_new_tokens for r in rows))
         logits = self.decoder.prefill(prompts, slots)
         logits = logits[torch.tensor(row_groups, device=logits.device)]
         tokens, logprobs = self.sampler.sample(logits, start=start)
         end = start + len(rows)
-        self.positions[start:end] = torch.tensor([len(r.request.prompt) for r in rows])
+        lengths = [len(r.request.prompt) for r in rows]
+        self.positions[start:end] = torch.tensor(lengths)
+        self.span = max(self.span, max(lengths) + 1)
         self.last_tokens[start:end] = tokens
         self.rows.extend(rows)
         return tokens, logprobs
@@ -123,9 +127,10 @@ class ContinuousBatch:
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for every live slot; returns the sampled tokens and logprobs."""
         count = len(self.rows)
-        logits = self.decoder.decode(self.last_tokens[:count], self.positions[:count])
+        logits = self.decoder.decode(self.last_tokens[:count], self.positions[:count], self.span)
         tokens, logprobs = self.sampler.sample(logits)
         self.positions[:count] += 1
+        self.span += 1
         self.last_tokens[:count] = tokens
         return tokens, logprobs
 
@@ -145,3 +150,4 @@ class ContinuousBatch:
             for hole, mover in zip(holes, movers, strict=True):
                 self.rows[hole] = self.rows[mover]
         del self.rows[live:]
+        self.span = int(self.positions[:live].max()) + 1 if live else 0

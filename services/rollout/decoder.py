@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+_SHORT_PROMPT = 128
+"""Prompts up to this many tokens are prefilled with plain matmuls on a CPU (scores stay small)."""
 _FIRST_LENGTH = 256
 """Cache length first allocated per slot; it doubles when a longer sample arrives."""
 
@@ -179,11 +181,21 @@ class SlotDecoder:
         sources = torch.tensor([i for i, group in enumerate(slots) for _ in group], device=self.device)
         cos, sin = self.cos[:width], self.sin[:width]
 
+        future = torch.ones((width, width), dtype=torch.bool, device=self.device).triu(1)  # causal mask
+
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
             self.keys[layer][targets, :, :width] = k[sources]
             self.values[layer][targets, :, :width] = v[sources]
-            gqa = self.heads != self.kv_heads
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            if self.device.type != "cpu" or width > _SHORT_PROMPT:
+                gqa = self.heads != self.kv_heads
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            # short prompts on a CPU: batched matmuls beat SDPA's kernel, as in decode
+            rows, group = q.shape[0], self.heads // self.kv_heads
+            q = q.reshape(rows, self.kv_heads, group, width, self.head_dim)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+            scores.masked_fill_(future, -torch.inf)
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(weights, v.unsqueeze(2)).reshape(rows, self.heads, width, self.head_dim)
 
         hidden = self._layers(self.embed(ids.to(self.device)), cos, sin, attend)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
@@ -191,11 +203,10 @@ class SlotDecoder:
         return self._logits(hidden)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b.
-
-        Returns float32 logits [B, vocab]."""
-        span = int(positions.max()) + 1
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
+        """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b; ``span``
+        is max(positions) + 1 when the caller knows it. Returns float32 logits [B, vocab]."""
+        span = int(positions.max()) + 1 if span is None else span
         if self._compiled is not None:
             try:
                 return self._compiled(tokens, positions, span)

@@ -112,18 +112,27 @@ class BatchSampler:
         self.streams: list[random.Random | None] = [None] * capacity
         self._shared = random.Random(torch.initial_seed())
         """Where unseeded rows draw from (seeded once from torch's global seed)."""
-        for slot, (config, seed) in enumerate(zip(configs, seeds, strict=True)):
-            self.assign(slot, config, seed)
+
+        if configs:
+            self.assign_range(0, configs, seeds)
 
     def assign(self, slot: int, config: SamplingConfig, seed: int | None) -> None:
         """Give ``slot`` the settings (and, when seeded, a fresh random stream) of a sample."""
-        self.configs[slot] = config
-        self.greedy[slot] = config.greedy
-        self.temperature[slot, 0] = 1.0 if config.greedy else config.temperature
-        self.top_p[slot] = config.top_p
-        self.top_k[slot] = config.top_k
-        self.min_p[slot] = config.min_p
-        self.streams[slot] = None if seed is None else random.Random(seed)
+        self.assign_range(slot, [config], [seed])
+
+    def assign_range(
+        self, start: int, configs: Sequence[SamplingConfig], seeds: Sequence[int | None]
+    ) -> None:
+        """Give slots start, start+1, ... the settings and random streams of these samples."""
+        end = start + len(configs)
+        self.configs[start:end] = configs
+        self.streams[start:end] = [None if seed is None else random.Random(seed) for seed in seeds]
+        greedy = [c.greedy for c in configs]
+        self.greedy[start:end] = torch.tensor(greedy)
+        self.temperature[start:end, 0] = torch.tensor([1.0 if c.greedy else c.temperature for c in configs])
+        self.top_p[start:end] = torch.tensor([c.top_p for c in configs])
+        self.top_k[start:end] = torch.tensor([c.top_k for c in configs])
+        self.min_p[start:end] = torch.tensor([c.min_p for c in configs])
 
     def move(self, sources: list[int], targets: list[int]) -> None:
         """Each slot in ``targets`` takes over the sample (settings, random stream) of its source."""
@@ -153,33 +162,27 @@ class BatchSampler:
         """
         rows = slice(start, start + logits.shape[0])
         configs = self.configs[rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         greedy = [c is None or c.greedy for c in configs]
         if all(greedy):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
             tokens = logits.argmax(dim=-1)
+            return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        uniform = self._uniforms(rows, active)
+        if not any(c is not None and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0) for c in configs):
+            tokens, logprobs = draw_unfiltered(logits, self.temperature[rows], uniform)
         else:
-            probs = self._probabilities(logits, raw_logprobs, configs, rows)
-            uniform = self._uniforms(rows, active)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            probs = torch.softmax(self._filter(logits / self.temperature[rows], rows), dim=-1)
             tokens = _invert_cdf(probs, uniform)
-            if any(greedy):
-                tokens = torch.where(self.greedy[rows], logits.argmax(dim=-1), tokens)
-        return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-
-    def _probabilities(
-        self,
-        logits: torch.Tensor,
-        raw_logprobs: torch.Tensor,
-        configs: Sequence[SamplingConfig | None],
-        rows: slice,
-    ) -> torch.Tensor:
-        """Each row's sampling distribution: tempered, then filtered (top-k, top-p, min-p)."""
-        filtered = any(c is not None and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0) for c in configs)
-        if not filtered and all(c is None or c.greedy or c.temperature == 1.0 for c in configs):
-            return raw_logprobs.exp()
-        scaled = logits / self.temperature[rows]
-        if filtered:
-            scaled = self._filter(scaled, rows)
-        return torch.softmax(scaled, dim=-1)
+            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if any(greedy):
+            argmax = logits.argmax(dim=-1)
+            greedy_rows = self.greedy[rows]
+            tokens = torch.where(greedy_rows, argmax, tokens)
+            logprobs = torch.where(
+                greedy_rows, torch.log_softmax(logits, dim=-1).gather(1, argmax[:, None])[:, 0], logprobs
+            )
+        return tokens, logprobs
 
     def _uniforms(self, rows: slice, active: Sequence[bool] | None) -> torch.Tensor:
         """One uniform number per row; seeded rows draw theirs from their own stream.
@@ -209,6 +212,19 @@ class BatchSampler:
         removed[:, 0] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(removed, -math.inf)
         return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+def draw_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens sampled from softmax(logits / temperature) at ``uniform``, and their raw logprobs.
+
+    The common case (no top-k/top-p/min-p). Compiling it was measured slower: the tensors
+    are too small for a fused kernel to pay for the compiled call.
+    """
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = _invert_cdf(torch.softmax(logits / temperature, dim=-1), uniform)
+    return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,15 @@ def test_the_compiled_decode_step_matches_the_eager_one() -> None:
         assert compiled._compiled is not None  # it did not fall back to eager
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         tokens[:live], positions[:live] = want.argmax(-1), positions[:live] + 1
+
+
+def test_a_long_prompt_takes_the_sdpa_prefill_and_still_matches() -> None:
+    model = build("qwen2")
+    decoder = SlotDecoder(model, slots=2, max_positions=512)
+    long_prompt = [(7 * i) % 89 + 1 for i in range(150)]  # past the short-prompt matmul path
+    decoder.reserve(160)
+    logits = decoder.prefill([long_prompt, [3, 4, 5]], [[0], [1]])
+    assert torch.allclose(logits[0].log_softmax(-1), full_logprobs(model, long_prompt), atol=1e-5)
+    token = int(logits[0].argmax())
+    step = decoder.decode(torch.tensor([token, 9]), torch.tensor([150, 3]))
+    assert torch.allclose(step[0].log_softmax(-1), full_logprobs(model, [*long_prompt, token]), atol=1e-5)
