@@ -89,7 +89,8 @@ class Settings:
     min_seconds: float
     quiet_wait_s: float
     seed: int
-    compile: bool
+    compile: tuple[str, ...]
+    """Models whose engine runs with compile_decode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +239,7 @@ class ModelReport:
 def measure_model(name: str, batches: Sequence[int], cfg: Settings) -> tuple[ModelReport, list[Case]]:
     model = MODELS[name](max(batches))
     print(f"{model.name}: {model.path}", flush=True)
-    engine = EngineSide(model.path, compile_decode=cfg.compile)
+    engine = EngineSide(model.path, compile_decode=name in cfg.compile)
     hf = HfProcess(model.path, cfg.threads)
     try:
         check = greedy_check(engine, hf, model.prompts[: min(4, max(batches))], new_tokens=16)
@@ -266,8 +267,8 @@ def section(
         *(f"- {key}: {value}" for key, value in host.items()),
         f"- torch threads: {cfg.threads} for both (torch.set_num_threads; the engine's worker thread"
         f" ran with {', '.join(map(str, worker))}); each side in a process of its own",
-        f"- verst engine: continuous batching, compile_decode={'on' if cfg.compile else 'off'}"
-        " (torch.compile of the decode step; its one-off compile falls in the uncounted warm-up)",
+        f"- verst engine: continuous batching; compile_decode (torch.compile of the decode step, its"
+        f" one-off compile in the uncounted warm-up) for: {', '.join(cfg.compile) or 'none'}",
         *(
             f"- {r.model.name}: {r.model.path.name}, {r.parameters:,} parameters ({r.shape});"
             f" prompts of {_span(r.model.prompts)} tokens;"
@@ -330,9 +331,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="base seed (%(default)s)")
     parser.add_argument(
         "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the engine's compile_decode: torch.compile its decode step (%(default)s)",
+        default="demo",
+        help="models whose engine compiles its decode step (compile_decode; 'none' for none) (%(default)s)",
     )
     parser.add_argument(
         "--results",
@@ -344,6 +344,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.model_names = [m for m in args.models.split(",") if m]
     args.batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    args.compile = tuple(m for m in args.compile.split(",") if m and m != "none")
+    if unknown := [m for m in args.compile if m not in MODELS]:
+        parser.error(f"--compile: unknown models {unknown}; known: {', '.join(MODELS)}")
     if unknown := [m for m in args.model_names if m not in MODELS]:
         parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
     if args.quiet_wait_s < 0:

@@ -1,13 +1,14 @@
-"""Where the engine's time goes in one batch: prefill, decode forwards, sampling, the rest.
+"""Where the engine's time goes: prefill, decode steps, sampling, the rest.
 
-Runs ``torch_backend.decode_batch`` (what the engine's worker thread runs for a batch) on
-this thread, with the benchmark's prompts and sampling settings (temperature 1, seeded,
-ignore_eos), and times its parts by wrapping ``torch_backend._forward`` and
-``BatchSampler.sample``; then, with ``--ops``, lists the top torch ops of one more batch.
-Not a benchmark: the figures in bench/RESULTS.md come from bench/engine.py.
+Drives a ``continuous.ContinuousBatch`` on this thread the way the engine's worker does (admit
+every prompt, then decode step by step, recording tokens and retiring finished samples), with
+the benchmark's prompts and sampling settings (temperature 1, seeded, ignore_eos), and times
+its parts by wrapping ``SlotDecoder.prefill``, ``SlotDecoder.decode`` and ``BatchSampler.sample``;
+then, with ``--ops``, lists the top torch ops of one more run. Not a benchmark: the figures in
+bench/RESULTS.md come from bench/engine.py.
 
     .venv/bin/python bench/engine_profile.py --model smollm2 --batch 64 --tokens 16
-    .venv/bin/python bench/engine_profile.py --model demo --batch 64 --ops
+    .venv/bin/python bench/engine_profile.py --model demo --batch 64 --compile --ops
 """
 
 from __future__ import annotations
@@ -26,66 +27,71 @@ import torch
 
 from bench.engine_models import MODELS
 from bench.engine_sides import CPU, sampling_configs
-from services.rollout import torch_backend
+from services.rollout.continuous import ContinuousBatch, record_tokens
+from services.rollout.decoder import SlotDecoder
 from services.rollout.engine import GenerationRequest, Row
 from services.rollout.sampling import BatchSampler
-from services.rollout.torch_backend import LoadedModel, decode_batch, load_model
+from services.rollout.torch_backend import load_model
 
 
-class Hooks:
-    """The engine's side of decode_batch, minus locking: finish rows, nothing between steps."""
-
-    def current_version(self) -> int:
-        return 1
+class Finisher:
+    """The engine's side of record_tokens, minus locking: mark the row finished."""
 
     def finish(self, row: Row, reason: int, error: str = "") -> None:
         row.finish = reason
 
-    def after_step(self, live: list[Row]) -> None:
-        return None
 
-
-def make_rows(prompts: Sequence[list[int]], tokens: int, *, seeded: bool) -> list[Row]:
+def make_rows(prompts: Sequence[list[int]], tokens: int) -> list[Row]:
     configs = sampling_configs(len(prompts), tokens, seed=1, greedy=False)
-    rows = []
-    for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-        request = GenerationRequest(f"profile-{i}", list(prompt), config, lambda _: None)
-        row = Row(request, 0, frozenset())
-        if not seeded:
-            request.config = type(config)(
-                **{**{f: getattr(config, f) for f in config.__slots__}, "seed": None}
-            )
-        rows.append(row)
-    return rows
+    return [
+        Row(GenerationRequest(f"profile-{i}", list(prompt), config, lambda _: None), 0, frozenset())
+        for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True))
+    ]
 
 
-def timed_parts(loaded: LoadedModel, rows: list[Row]) -> dict[str, float]:
-    """Seconds in prefill, decode forwards, sampling and everything else, for one batch."""
+def run(batch: ContinuousBatch, rows: list[Row]) -> None:
+    """Admit ``rows`` and decode until all have finished, as the engine's worker does."""
+    tokenizer = batch.loaded.tokenizer
+    tokens, logprobs = batch.admit(rows)
+    record_tokens(rows, tokens, logprobs, version=1, tokenizer=tokenizer, hooks=Finisher())
+    batch.retire()
+    while batch.rows:
+        live = batch.rows
+        tokens, logprobs = batch.step()
+        record_tokens(live, tokens, logprobs, version=1, tokenizer=tokenizer, hooks=Finisher())
+        batch.retire()
+
+
+def timed_parts(batch: ContinuousBatch, rows: list[Row]) -> dict[str, float]:
+    """Seconds in prefill, decode forwards, sampling and everything else, for one run."""
     spent: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
+    originals = {
+        (SlotDecoder, "prefill"): "prefill",
+        (SlotDecoder, "decode"): "decode forwards",
+        (BatchSampler, "sample"): "sampling",
+    }
 
-    def wrap(name: Callable[[int], str], inner: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            key = name(calls["forward"])
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent[key] += time.perf_counter() - start
-                calls["forward" if key != "sampling" else "sampling"] += 1
+                spent[name] += time.perf_counter() - start
 
         return timed
 
-    forward, sample = torch_backend._forward, BatchSampler.sample
-    torch_backend._forward = wrap(lambda n: "prefill" if n == 0 else "decode forwards", forward)
-    BatchSampler.sample = wrap(lambda _: "sampling", sample)  # type: ignore[method-assign]
+    saved = {key: getattr(*key) for key in originals}
+    for (owner, method), name in originals.items():
+        setattr(owner, method, wrap(name, saved[(owner, method)]))
     try:
         start = time.perf_counter()
-        decode_batch(loaded, rows, device=CPU, hooks=Hooks())
+        run(batch, rows)
         total = time.perf_counter() - start
     finally:
-        torch_backend._forward, BatchSampler.sample = forward, sample  # type: ignore[method-assign]
-    spent["rest (row bookkeeping, cache selection, masks)"] = total - sum(spent.values())
+        for (owner, method), inner in saved.items():
+            setattr(owner, method, inner)
+    spent["rest (recording tokens, retiring, slots)"] = total - sum(spent.values())
     spent["total"] = total
     return dict(spent)
 
@@ -96,15 +102,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per row (%(default)s)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--unseeded", action="store_true", help="rows without seeds (one shared stream)")
+    parser.add_argument("--compile", action="store_true", help="compile the decode step (compile_decode)")
     parser.add_argument("--ops", action="store_true", help="also list the top torch ops")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = MODELS[args.model](args.batch)
     loaded = load_model(model.path, device=CPU, dtype=torch.float32)
+    batch = ContinuousBatch(loaded, capacity=args.batch, device=CPU, compile_step=args.compile)
     prompts = model.prompts[: args.batch]
-    decode_batch(loaded, make_rows(prompts, min(args.tokens, 8), seeded=True), device=CPU, hooks=Hooks())
-    parts = timed_parts(loaded, make_rows(prompts, args.tokens, seeded=not args.unseeded))
+    run(batch, make_rows(prompts, min(args.tokens, 8)))  # warm-up (and the compile, if any)
+    parts = timed_parts(batch, make_rows(prompts, args.tokens))
     print(f"{model.name}, batch {args.batch}, {args.tokens} new tokens, {args.threads} threads:")
     for name, seconds in parts.items():
         print(f"  {name:>48}: {seconds * 1e3:9.1f} ms  {seconds / parts['total']:6.1%}")
@@ -113,9 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         per_step = (parts["decode forwards"] + parts["sampling"]) / steps
         print(f"  {'per decode step (forward + sampling)':>48}: {per_step * 1e3:9.2f} ms")
     if args.ops:
-        rows = make_rows(prompts, args.tokens, seeded=not args.unseeded)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            decode_batch(loaded, rows, device=CPU, hooks=Hooks())
+            run(batch, make_rows(prompts, args.tokens))
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

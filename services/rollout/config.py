@@ -95,3 +95,6 @@ class RunnerSettings(RolloutClientSettings):
     max_resumes: int = Field(8, ge=0, le=1000)
     """Times one aborted sample (weight update in abort mode, Abort, Pause) is resumed from its
     partial tokens; past it, or at 0, it is published with finish reason ABORT and its tokens so far."""
+    tools_address: str = Field("", pattern=r"^$|^\S+:\d{1,5}$")
+    """host:port of the Tools service that runs multi-turn episodes' tool calls; empty: the job's
+    reward service (the reward process serves Tools too)."""

@@ -127,8 +127,12 @@ class ContinuousBatch:
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for every live slot; returns the sampled tokens and logprobs."""
         count = len(self.rows)
-        logits = self.decoder.decode(self.last_tokens[:count], self.positions[:count], self.span)
-        tokens, logprobs = self.sampler.sample(logits)
+        inputs = self.last_tokens[:count], self.positions[:count], self.span
+        draw = self.sampler.unfiltered_draw(count)
+        if draw is not None:  # the common case: sampling ends the (compiled) decode step
+            tokens, logprobs = self.decoder.decode_and_sample(*inputs, draw)
+        else:
+            tokens, logprobs = self.sampler.sample(self.decoder.decode(*inputs))
         self.positions[:count] += 1
         self.span += 1
         self.last_tokens[:count] = tokens

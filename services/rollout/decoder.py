@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from services.rollout.sampling import sample_unfiltered
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -132,9 +134,9 @@ class SlotDecoder:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)
-        self._compiled: Any = None
-        if compile_step:  # one graph for every batch size and length (dynamic shapes)
-            self._compiled = torch.compile(self._decode_step, dynamic=True)
+        self._compile = compile_step
+        """torch.compile the steps: one graph each for every batch size and length (dynamic shapes)."""
+        self._compiled: dict[str, Any] = {}
 
     # -- cache -----------------------------------------------------------------
 
@@ -207,13 +209,39 @@ class SlotDecoder:
         """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b; ``span``
         is max(positions) + 1 when the caller knows it. Returns float32 logits [B, vocab]."""
         span = int(positions.max()) + 1 if span is None else span
-        if self._compiled is not None:
+        return self._run(self._decode_step, tokens, positions, span)
+
+    @torch.inference_mode()
+    def decode_and_sample(
+        self, tokens: Tensor, positions: Tensor, span: int, draw: tuple[Tensor, Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """``decode`` followed by ``sample_unfiltered(logits, *draw)`` in one step (one compiled
+        graph when compile_step): the next tokens and their raw logprobs."""
+        return self._run(self._decode_sample_step, tokens, positions, span, *draw)
+
+    def _decode_sample_step(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        span: int,
+        temperature: Tensor,
+        uniform: Tensor,
+        greedy: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        return sample_unfiltered(self._decode_step(tokens, positions, span), temperature, uniform, greedy)
+
+    def _run(self, step: Any, *args: Any) -> Any:
+        """``step(*args)``, compiled when compile_step (falling back to eager if compiling fails)."""
+        if self._compile:
+            compiled = self._compiled.get(step.__name__)
+            if compiled is None:
+                compiled = self._compiled[step.__name__] = torch.compile(step, dynamic=True)
             try:
-                return self._compiled(tokens, positions, span)
+                return compiled(*args)
             except Exception as err:  # e.g. no C++ compiler for inductor: the eager step is the same
                 log.warning("torch.compile of the decode step failed, decoding eagerly: %s", err)
-                self._compiled = None
-        return self._decode_step(tokens, positions, span)
+                self._compile = False
+        return step(*args)
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         batch = tokens.shape[0]

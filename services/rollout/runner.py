@@ -6,7 +6,9 @@ running jobs from the job store and keeps one consumer loop per job on
 tasks are in flight at once, over all jobs. For each task it asks the router
 for the group's n samples, resumes the samples that came back aborted (partial
 rollout, see ``runner_group``), scores them in one ScoreBatch, publishes the
-group's Trajectories in one ``publish_many``, and only then acks the task. A
+group's Trajectories in one ``publish_many``, and only then acks the task. A task with
+``max_turns`` > 1 is rolled out as multi-turn episodes instead (``episode``: tool calls run
+through the Tools service between turns). A
 task whose service call failed stays pending and is retried after it is
 reclaimed; a task the engine refused (INVALID_ARGUMENT) is dead-lettered.
 The process serves gRPC health beside the loop.
@@ -31,6 +33,7 @@ from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
 from services.rollout.config import RunnerSettings
+from services.rollout.episode import roll_out_episodes
 from services.rollout.runner_group import (
     GroupClients,
     InvalidTaskError,
@@ -159,7 +162,8 @@ class Runner:
         held.add(delivery.entry_id)
         try:
             check_task(task, job_id)
-            trajectories = await roll_out_group(task, await self._clients(loop))
+            roll_out = roll_out_episodes if task.max_turns > 1 else roll_out_group
+            trajectories = await roll_out(task, await self._clients(loop))
             await self.bus.publish_many(JobStreams(job_id).trajectories, trajectories)
             await consumer.ack([delivery])
             log.debug("%s: %d trajectories", task.prompt_id, len(trajectories))
@@ -195,17 +199,18 @@ class Runner:
         async with loop.tokenizer_lock:
             if loop.tokenizer is None:
                 loop.tokenizer = await self._load_tokenizer(loop)
+        reward_address = spec.reward.address or self.settings.reward_address
         return GroupClients(
             router=router_pb2_grpc.RouterStub(self._channel(self.settings.router_address)),
-            reward=reward_pb2_grpc.RewardStub(
-                self._channel(spec.reward.address or self.settings.reward_address)
-            ),
+            reward=reward_pb2_grpc.RewardStub(self._channel(reward_address)),
             tokenizer=loop.tokenizer,
             request_timeout_s=spec.rollout.request_timeout_s,
             reward_timeout_s=spec.reward.timeout_s,
             retry_s=self.settings.retry_s,
             max_resumes=self.settings.max_resumes,
             serving=lambda: not loop.stop.is_set(),
+            tools=reward_pb2_grpc.ToolsStub(self._channel(self.settings.tools_address or reward_address)),
+            rollout=spec.rollout,
         )
 
     async def _load_tokenizer(self, loop: JobLoop) -> Any:

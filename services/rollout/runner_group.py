@@ -17,6 +17,10 @@ version that produced it. Aborted samples of a group resume concurrently, each
 at most ``max_resumes`` times; one still aborted after that is published as it
 is (finish reason ABORT, its tokens so far are valid training data), because
 holding the whole group back would stall the trainer for one sample.
+
+Multi-turn episodes (``episode.py``) reuse these pieces: the group's first Generate, the
+resume of an aborted turn, scoring and Trajectory building; a ``Sample`` then also carries
+the loss mask, the number of turns and the text the verifier scores.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from services.common.config import RolloutConfig
 from services.common.pb import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 
 T = TypeVar("T")
@@ -67,13 +72,17 @@ class GroupClients:
     """Resumes of one aborted sample; 0 publishes it aborted at once."""
     serving: Callable[[], bool]
     """False once the job is no longer served here (it stopped, the runner stops): no more resumes."""
+    tools: reward_pb2_grpc.ToolsStub
+    """The Tools service that runs the calls of multi-turn episodes."""
+    rollout: RolloutConfig
+    """The job's rollout section (tool call format, observation template, tool limits...)."""
 
 
 def _is_transient(error: BaseException) -> bool:
     return isinstance(error, grpc.aio.AioRpcError) and error.code() in TRANSIENT_CODES
 
 
-async def _call(service: str, retry_s: float, call: Callable[[], Awaitable[T]]) -> T:
+async def call(service: str, retry_s: float, call: Callable[[], Awaitable[T]]) -> T:
     """``call()`` with transient failures retried for ``retry_s``; errors mapped to the two kinds."""
     try:
         async for attempt in AsyncRetrying(
@@ -116,20 +125,27 @@ def _check_completions(n_samples: int, reply: rollout_pb2.GenerateResponse) -> N
 
 @dataclass(slots=True)
 class Sample:
-    """One sample of a group as it grows across resumes."""
+    """One sample of a group as it grows across resumes (and, in an episode, turns)."""
 
     completion: rollout_pb2.Completion
     """Every token so far, with its logprob and policy version; how the last piece ended."""
     engine_id: str
     """The engine that generated the last piece."""
     resumes: int = 0
+    loss_mask: list[bool] | None = None
+    """Per response token, False for tool output; None when every token is the model's."""
+    num_turns: int = 1
+    final_text: str | None = None
+    """The text the verifier scores (an episode's last turn); None: the whole response."""
+    info: dict[str, str] = field(default_factory=dict)
+    """Counts worth keeping (tool calls, errors), for the verifier and the trajectory's metadata."""
 
 
-async def _generate(
+async def generate(
     request: rollout_pb2.GenerateRequest, clients: GroupClients
 ) -> rollout_pb2.GenerateResponse:
     n_samples = max(1, request.sampling.n)
-    reply = await _call(
+    reply = await call(
         "router Generate",
         clients.retry_s,
         lambda: clients.router.Generate(request, timeout=clients.request_timeout_s),
@@ -138,43 +154,60 @@ async def _generate(
     return reply
 
 
-async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> list[common_pb2.Trajectory]:
-    """One Trajectory per sample of ``task`` (sample order), aborted samples resumed, with rewards."""
+def group_request(task: common_pb2.PromptTask, stop: list[str] | None = None) -> rollout_pb2.GenerateRequest:
+    """The Generate of the task's n samples; ``stop`` adds stop strings to the task's."""
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(task.sampling)
     sampling.n = task.n_samples
-    request = rollout_pb2.GenerateRequest(
+    sampling.stop.extend(text for text in stop or [] if text not in sampling.stop)
+    return rollout_pb2.GenerateRequest(
         request_id=task.prompt_id,
         prompt_token_ids=task.prompt_token_ids,
         sampling=sampling,
         session_id=task.group_id,
         job_id=task.job_id,
     )
-    reply = await _generate(request, clients)
-    samples = [Sample(c, reply.engine_id) for c in sorted(reply.completions, key=lambda c: c.index)]
-    await _resume_all(task, samples, clients)
+
+
+async def generate_group(request: rollout_pb2.GenerateRequest, clients: GroupClients) -> list[Sample]:
+    """The samples of a group request, in sample order, not resumed yet."""
+    reply = await generate(request, clients)
+    return [Sample(c, reply.engine_id) for c in sorted(reply.completions, key=lambda c: c.index)]
+
+
+async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> list[common_pb2.Trajectory]:
+    """One Trajectory per sample of ``task`` (sample order), aborted samples resumed, with rewards."""
+    request = group_request(task)
+    samples = await generate_group(request, clients)
+    await run_all(
+        [resume(request, s, clients, index=i, name=f"{task.prompt_id}:{i}") for i, s in enumerate(samples)],
+        name=task.prompt_id,
+    )
+    return await finish_group(task, samples, clients)
+
+
+async def run_all(work: list[Awaitable[T]], name: str) -> list[T]:
+    """Run ``work`` concurrently; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(item) for item in work]
+    for i, pending in enumerate(tasks):
+        pending.set_name(f"{name}:{i}")
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for pending in tasks:
+            pending.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def finish_group(
+    task: common_pb2.PromptTask, samples: list[Sample], clients: GroupClients
+) -> list[common_pb2.Trajectory]:
+    """Score the finished samples in one ScoreBatch and build their Trajectories."""
     completions = [sample.completion for sample in samples]
     texts = [clients.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-    scores = await _score(task, completions, texts, clients)
+    scores = await _score(task, samples, texts, clients)
     return [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
-
-
-async def _resume_all(task: common_pb2.PromptTask, samples: list[Sample], clients: GroupClients) -> None:
-    """Resume the aborted samples concurrently; the first failure cancels the others."""
-    resuming = [
-        asyncio.create_task(
-            _resume(task, sample, clients), name=f"resume {task.prompt_id}:{sample.completion.index}"
-        )
-        for sample in samples
-        if sample.completion.finish_reason == common_pb2.FINISH_REASON_ABORT
-    ]
-    try:
-        await asyncio.gather(*resuming)
-    except BaseException:
-        for pending in resuming:
-            pending.cancel()
-        await asyncio.gather(*resuming, return_exceptions=True)
-        raise
 
 
 def resume_seed(seed: int, index: int, resume: int) -> int:
@@ -184,8 +217,12 @@ def resume_seed(seed: int, index: int, resume: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-async def _resume(task: common_pb2.PromptTask, sample: Sample, clients: GroupClients) -> None:
-    """Continue ``sample`` while it comes back aborted, at most ``max_resumes`` times."""
+async def resume(
+    first: rollout_pb2.GenerateRequest, sample: Sample, clients: GroupClients, *, index: int, name: str
+) -> None:
+    """Continue ``sample``, generated for ``first``, while it comes back aborted, at most
+    ``max_resumes`` times. ``index`` is the sample's index in its group (for its seeds) and
+    ``name`` the request id its resumes extend (``{name}:resume{k}``)."""
     completion = sample.completion
     while (
         completion.finish_reason == common_pb2.FINISH_REASON_ABORT
@@ -193,12 +230,12 @@ async def _resume(task: common_pb2.PromptTask, sample: Sample, clients: GroupCli
         and sample.resumes < clients.max_resumes
         and clients.serving()
     ):
-        left = task.sampling.max_new_tokens - len(completion.token_ids)
+        left = first.sampling.max_new_tokens - len(completion.token_ids)
         if left <= 0:  # aborted after its last token: nothing is missing
             completion.finish_reason = common_pb2.FINISH_REASON_LENGTH
             return
         sample.resumes += 1
-        reply = await _generate(_resume_request(task, sample, left), clients)
+        reply = await generate(_resume_request(first, sample, left, index, name), clients)
         [more] = reply.completions
         completion.token_ids.extend(more.token_ids)
         completion.logprobs.extend(more.logprobs)
@@ -208,48 +245,52 @@ async def _resume(task: common_pb2.PromptTask, sample: Sample, clients: GroupCli
         sample.engine_id = reply.engine_id
 
 
-def _resume_request(task: common_pb2.PromptTask, sample: Sample, left: int) -> rollout_pb2.GenerateRequest:
-    """One sample: the task prompt + the partial response, with the budget that is left."""
-    index = sample.completion.index
+def _resume_request(
+    first: rollout_pb2.GenerateRequest, sample: Sample, left: int, index: int, name: str
+) -> rollout_pb2.GenerateRequest:
+    """One sample: the first request's prompt + the partial response, with the budget that is left."""
     sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(task.sampling)
+    sampling.CopyFrom(first.sampling)
     sampling.n = 1
     sampling.max_new_tokens = left
-    if task.sampling.HasField("seed"):  # the task's seed would replay sample 0's stream
-        sampling.seed = resume_seed(task.sampling.seed, index, sample.resumes)
+    if first.sampling.HasField("seed"):  # the first seed would replay sample 0's stream
+        sampling.seed = resume_seed(first.sampling.seed, index, sample.resumes)
     return rollout_pb2.GenerateRequest(
-        request_id=f"{task.prompt_id}:{index}:resume{sample.resumes}",
-        prompt_token_ids=[*task.prompt_token_ids, *sample.completion.token_ids],
+        request_id=f"{name}:resume{sample.resumes}",
+        prompt_token_ids=[*first.prompt_token_ids, *sample.completion.token_ids],
         sampling=sampling,
-        session_id=task.group_id,  # the same engine likely holds the group's prefix
+        session_id=first.session_id,  # the same engine likely holds the group's prefix
+        job_id=first.job_id,
+        resume_offset=len(first.prompt_token_ids),
+    )
+
+
+def _score_request(task: common_pb2.PromptTask, sample: Sample, text: str) -> reward_pb2.ScoreRequest:
+    """An episode is scored on its last turn's text; its whole response is the transcript."""
+    metadata = dict(sample.info)
+    if sample.final_text is not None:
+        metadata["transcript"] = text
+    return reward_pb2.ScoreRequest(
+        trajectory_id=f"{task.prompt_id}:{sample.completion.index}",
         job_id=task.job_id,
-        resume_offset=len(task.prompt_token_ids),
+        prompt_id=task.prompt_id,
+        prompt_text=task.prompt_text,
+        response_text=text if sample.final_text is None else sample.final_text,
+        prompt_token_ids=task.prompt_token_ids,
+        response_token_ids=sample.completion.token_ids,
+        answer=task.answer,
+        verifier=task.verifier,
+        metadata=metadata,
+        num_turns=sample.num_turns,
     )
 
 
 async def _score(
-    task: common_pb2.PromptTask,
-    completions: list[rollout_pb2.Completion],
-    texts: list[str],
-    clients: GroupClients,
+    task: common_pb2.PromptTask, samples: list[Sample], texts: list[str], clients: GroupClients
 ) -> list[reward_pb2.ScoreResponse]:
-    items = [
-        reward_pb2.ScoreRequest(
-            trajectory_id=f"{task.prompt_id}:{completion.index}",
-            job_id=task.job_id,
-            prompt_id=task.prompt_id,
-            prompt_text=task.prompt_text,
-            response_text=text,
-            prompt_token_ids=task.prompt_token_ids,
-            response_token_ids=completion.token_ids,
-            answer=task.answer,
-            verifier=task.verifier,
-            num_turns=1,
-        )
-        for completion, text in zip(completions, texts, strict=True)
-    ]
+    items = [_score_request(task, sample, text) for sample, text in zip(samples, texts, strict=True)]
     batch = reward_pb2.ScoreBatchRequest(items=items)
-    reply = await _call(
+    reply = await call(
         "reward ScoreBatch",
         clients.retry_s,
         lambda: clients.reward.ScoreBatch(batch, timeout=clients.reward_timeout_s),
@@ -278,16 +319,20 @@ def _trajectory(
         prompt_token_ids=task.prompt_token_ids,
         response_token_ids=completion.token_ids,
         behaviour_logprobs=completion.logprobs,
-        loss_mask=[True] * len(completion.token_ids),
+        loss_mask=sample.loss_mask if sample.loss_mask is not None else [True] * len(completion.token_ids),
         policy_versions=completion.policy_versions,
         reward=0.0 if error else score.reward,
         reward_components=score.components,
         reward_error=error,
         finish_reason=completion.finish_reason,
-        num_turns=1,
+        num_turns=sample.num_turns,
         split=task.split or common_pb2.SPLIT_TRAIN,
         engine_id=sample.engine_id,
-        metadata={"task_policy_version": str(task.policy_version), "resumes": str(sample.resumes)},
+        metadata={
+            "task_policy_version": str(task.policy_version),
+            "resumes": str(sample.resumes),
+            **sample.info,
+        },
     )
     trajectory.created_at.GetCurrentTime()
     return trajectory

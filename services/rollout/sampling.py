@@ -160,29 +160,25 @@ class BatchSampler:
 
         A seeded row draws from its stream only while ``active`` (default: all rows are).
         """
+        draw = self.unfiltered_draw(logits.shape[0], active, start=start)
+        if draw is not None:
+            return sample_unfiltered(logits, *draw)
         rows = slice(start, start + logits.shape[0])
-        configs = self.configs[rows]
-        greedy = [c is None or c.greedy for c in configs]
-        if all(greedy):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-            tokens = logits.argmax(dim=-1)
-            return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         uniform = self._uniforms(rows, active)
-        if not any(c is not None and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0) for c in configs):
-            tokens, logprobs = draw_unfiltered(logits, self.temperature[rows], uniform)
-        else:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-            probs = torch.softmax(self._filter(logits / self.temperature[rows], rows), dim=-1)
-            tokens = _invert_cdf(probs, uniform)
-            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if any(greedy):
-            argmax = logits.argmax(dim=-1)
-            greedy_rows = self.greedy[rows]
-            tokens = torch.where(greedy_rows, argmax, tokens)
-            logprobs = torch.where(
-                greedy_rows, torch.log_softmax(logits, dim=-1).gather(1, argmax[:, None])[:, 0], logprobs
-            )
-        return tokens, logprobs
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        probs = torch.softmax(self._filter(logits / self.temperature[rows], rows), dim=-1)
+        tokens = torch.where(self.greedy[rows], logits.argmax(dim=-1), _invert_cdf(probs, uniform))
+        return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    def unfiltered_draw(
+        self, count: int, active: Sequence[bool] | None = None, *, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(temperature, uniform, greedy) of slots start..start+count-1 for ``sample_unfiltered``,
+        or None when a row filters (top-k, top-p, min-p). Draws each row's uniform number."""
+        rows = slice(start, start + count)
+        if any(c is not None and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0) for c in self.configs[rows]):
+            return None
+        return self.temperature[rows], self._uniforms(rows, active), self.greedy[rows]
 
     def _uniforms(self, rows: slice, active: Sequence[bool] | None) -> torch.Tensor:
         """One uniform number per row; seeded rows draw theirs from their own stream.
@@ -214,16 +210,15 @@ class BatchSampler:
         return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
 
-def draw_unfiltered(
-    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, greedy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens sampled from softmax(logits / temperature) at ``uniform``, and their raw logprobs.
-
-    The common case (no top-k/top-p/min-p). Compiling it was measured slower: the tensors
-    are too small for a fused kernel to pay for the compiled call.
-    """
+    """Tokens drawn from softmax(logits / temperature) at ``uniform`` (argmax where ``greedy``),
+    and their raw logprobs: the common case (no top-k, top-p, min-p), in tensor ops only, so
+    that the compiled decode step can end with it."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = _invert_cdf(torch.softmax(logits / temperature, dim=-1), uniform)
+    drawn = _invert_cdf(torch.softmax(logits / temperature, dim=-1), uniform)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

@@ -117,7 +117,7 @@ def test_the_compiled_decode_step_matches_the_eager_one() -> None:
         live = 3 - step % 2  # the batch shrinks and grows, as in a continuous batch
         want = eager.decode(tokens[:live], positions[:live])
         got = compiled.decode(tokens[:live], positions[:live])
-        assert compiled._compiled is not None  # it did not fall back to eager
+        assert compiled._compile and compiled._compiled  # it did not fall back to eager
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         tokens[:live], positions[:live] = want.argmax(-1), positions[:live] + 1
 
@@ -132,3 +132,40 @@ def test_a_long_prompt_takes_the_sdpa_prefill_and_still_matches() -> None:
     token = int(logits[0].argmax())
     step = decoder.decode(torch.tensor([token, 9]), torch.tensor([150, 3]))
     assert torch.allclose(step[0].log_softmax(-1), full_logprobs(model, [*long_prompt, token]), atol=1e-5)
+
+
+def test_bfloat16_weights_decode_close_to_transformers_in_bfloat16() -> None:
+    """The dtype is configurable: in bfloat16 the decoder tracks transformers' own bfloat16 forward."""
+    model = build("llama").to(torch.bfloat16)
+    decoder = SlotDecoder(model, slots=1, max_positions=512)
+    assert decoder.dtype == torch.bfloat16
+    decoder.reserve(16)
+    prompt = [5, 6, 7, 8]
+    logits = decoder.prefill([prompt], [[0]])
+    assert logits.dtype == torch.float32
+    token = int(logits[0].argmax())
+    step = decoder.decode(torch.tensor([token]), torch.tensor([len(prompt)]))
+    want = full_logprobs(model, [*prompt, token])
+    assert (step[0].log_softmax(-1) - want).abs().max() < 0.1  # bfloat16 rounding, not a different model
+    assert int(step[0].argmax()) == int(want.argmax())
+
+
+@pytest.mark.slow  # inductor compiles decode + sampling: ~25 s on two cores
+def test_decode_and_sample_compiled_draws_what_eager_draws() -> None:
+    model = build("qwen2")
+    eager = SlotDecoder(model, slots=3, max_positions=512)
+    compiled = SlotDecoder(model, slots=3, max_positions=512, compile_step=True)
+    for decoder in (eager, compiled):
+        decoder.reserve(32)
+        decoder.prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[0], [1], [2]])
+    tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([3, 2, 4])
+    temperature = torch.tensor([[1.0], [0.7], [1.0]])
+    greedy = torch.tensor([False, False, True])
+    for step in range(4):
+        uniform = torch.rand(3, generator=torch.Generator().manual_seed(step))
+        draw = (temperature, uniform, greedy)
+        want = eager.decode_and_sample(tokens, positions, int(positions.max()) + 1, draw)
+        got = compiled.decode_and_sample(tokens, positions, int(positions.max()) + 1, draw)
+        assert compiled._compile and torch.equal(got[0], want[0])
+        assert torch.allclose(got[1], want[1], atol=1e-5)
+        tokens, positions = want[0], positions + 1
