@@ -68,6 +68,7 @@ def timed_parts(batch: ContinuousBatch, rows: list[Row]) -> dict[str, float]:
     originals = {
         (SlotDecoder, "prefill"): "prefill",
         (SlotDecoder, "decode"): "decode forwards",
+        (SlotDecoder, "decode_and_sample"): "decode forwards + sampling (one step)",
         (BatchSampler, "sample"): "sampling",
     }
 
@@ -117,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  {name:>48}: {seconds * 1e3:9.1f} ms  {seconds / parts['total']:6.1%}")
     steps = args.tokens - 1
     if steps:
-        per_step = (parts["decode forwards"] + parts["sampling"]) / steps
+        stepping = ("decode forwards", "decode forwards + sampling (one step)", "sampling")
+        per_step = sum(parts.get(name, 0.0) for name in stepping) / steps
         print(f"  {'per decode step (forward + sampling)':>48}: {per_step * 1e3:9.2f} ms")
     if args.ops:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
