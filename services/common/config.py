@@ -126,7 +126,8 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(8, ge=1, le=65_536)
     """Prompts (groups) per trainer step."""
     max_new_tokens: int = Field(64, ge=1, le=65_536)
-    """Longest response, in tokens, before the engine stops a sample."""
+    """Longest response, in tokens, before the engine stops a sample; in a multi-turn episode it
+    bounds the whole response, model turns and tool observations together."""
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """Sampling temperature for training rollouts (0 is greedy)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -145,6 +146,25 @@ class RolloutConfig(Section):
     def _tools_need_turns(cls, value: list[str], info: ValidationInfo) -> list[str]:
         if value and info.data.get("max_turns", 1) < 2:
             raise ValueError("tools need max_turns >= 2 (a tool result needs a next turn)")
+        return value
+
+    tool_call_format: Literal["auto", "hermes", "python_tag", "json"] = "auto"
+    """How a turn calls a tool: `hermes` is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    (Hermes/Qwen templates), `python_tag` is `<python>code</python>`, `json` a turn that is one bare
+    JSON object `{"name": ..., "arguments": {...}}`; `auto` reads all three."""
+    tool_observation: str = Field("<tool_response>\n{output}\n</tool_response>\n", max_length=4096)
+    """Text appended after a turn's tool call, `{output}` standing for the tool's output (for a chat
+    model, close the assistant turn and open the next one around it)."""
+    max_tool_output_tokens: int = Field(512, ge=1, le=65_536)
+    """Tool output longer than this many tokens is cut, with a marker, before the model sees it."""
+    tool_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Wall time of one tool call (the sandbox's timeout; the call's deadline adds a margin)."""
+
+    @field_validator("tool_observation")
+    @classmethod
+    def _observation_shows_output(cls, value: str) -> str:
+        if "{output}" not in value:
+            raise ValueError("must contain {output}, where the tool's output goes")
         return value
 
     weight_update: Literal["continue", "abort"] = "continue"
