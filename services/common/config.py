@@ -167,8 +167,9 @@ class RolloutConfig(Section):
             raise ValueError("must contain {output}, where the tool's output goes")
         return value
 
-    weight_update: Literal["continue", "abort"] = "continue"
-    """In-flight requests on new weights: keep decoding, or abort and resume (partial rollout)."""
+    weight_update: Literal["continue", "abort"] | None = None
+    """In-flight requests on new weights: keep decoding, or abort and resume (partial rollout);
+    null leaves it to each engine's VERST_ENGINE_WEIGHT_UPDATE_MODE."""
     request_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
     """Deadline of one Generate call."""
 

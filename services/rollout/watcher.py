@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.common.bus import Bus
+from services.common.config import JobSpec
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.registry import EngineRegistry
 from services.common.streams import JOB_INDEX, JobStreams, job_key
@@ -20,6 +22,12 @@ from services.rollout.engine import TorchEngine, WeightUpdate
 from services.rollout.weights import CheckpointError, checkpoint_dir
 
 log = logging.getLogger(__name__)
+
+_UPDATE_MODES = {
+    "continue": rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
+    "abort": rollout_pb2.WEIGHT_UPDATE_MODE_ABORT,
+}
+"""JobSpec rollout.weight_update -> the mode of the watcher's loads for that job."""
 
 RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING).encode()
 JOBS_SCANNED = 50
@@ -106,6 +114,8 @@ class WeightWatcher:
         self.loader = loader
         self.poll_s = poll_s
         self._refused: set[tuple[str, int, str]] = set()
+        self._modes: dict[str, int] = {}
+        """Each job's WeightUpdateMode, from its JobSpec (rollout.weight_update)."""
         self._last_error = ""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -138,13 +148,27 @@ class WeightWatcher:
         if key in self._refused:
             return False
         try:
-            report = await self.loader.load(handle, rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED)
+            report = await self.loader.load(handle, await self._update_mode(handle.job_id))
         except CheckpointError as err:
             self._refused.add(key)  # the same handle will not get better by retrying
             log.error("refused checkpoint %s v%d: %s", handle.job_id, handle.version, err)
             return False
         await self._report(handle, report)
         return True
+
+    async def _update_mode(self, job_id: str) -> int:
+        """The job's rollout.weight_update as a WeightUpdateMode (UNSPECIFIED: the engine's own)."""
+        mode = self._modes.get(job_id)
+        if mode is None:
+            try:
+                spec = JobSpec.model_validate_json(await self.redis.hget(job_key(job_id), "spec_json") or b"")
+            except (ValidationError, RedisError) as err:
+                log.warning("job %s: unreadable spec (%s); loads use the engine's mode", job_id, err)
+                return rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED
+            chosen = spec.rollout.weight_update
+            mode = rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED if chosen is None else _UPDATE_MODES[chosen]
+            self._modes[job_id] = mode
+        return mode
 
     async def _report(self, handle: common_pb2.CheckpointHandle, report: LoadReport) -> None:
         """Publish the weight-sync timings on the job's metrics stream (source "rollout")."""

@@ -13,9 +13,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from services.common.bus import DATA_FIELD, Bus
+from services.common.config import JobSpec
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.registry import EngineRegistry
-from services.common.streams import JobStreams
+from services.common.streams import JobStreams, job_key
 from tests.helpers import eventually
 from tests.integration.rollout_helpers import (
     EOS,
@@ -322,3 +323,27 @@ async def test_a_stream_sends_tokens_as_they_are_sampled(engine: RunningEngine) 
         assert [lp for c in mine for lp in c.logprobs] == pytest.approx(list(completion.logprobs), abs=1e-5)
         assert [v for c in mine for v in c.policy_versions] == list(completion.policy_versions)
         assert {(c.engine_id, c.request_id) for c in mine} == {("engine-test", request.request_id)}
+
+
+async def test_a_jobs_weight_update_abort_applies_to_the_watchers_loads(
+    engine: RunningEngine, bus: Bus, tmp_path: Path
+) -> None:
+    """rollout.weight_update in the JobSpec: the engine aborts that job's samples on its next checkpoint."""
+    spec = JobSpec.model_validate({"rollout": {"weight_update": "abort"}})
+    await bus.redis.hset(job_key(JOB), "spec_json", spec.model_dump_json())
+    call = asyncio.ensure_future(
+        generate(engine, PROMPTS[0], temperature=1.0, seed=3, max_new_tokens=240, ignore_eos=True)
+    )
+
+    async def running() -> bool:
+        info = await engine.stub.GetStatus(rollout_pb2.GetEngineStatusRequest(), timeout=5)
+        return info.running_requests == 1
+
+    await eventually(running, what="the request to run")
+    await engine.stub.Pause(rollout_pb2.PauseRequest(), timeout=5)  # hold it mid-response
+    await publish_checkpoint(bus, JOB, save_checkpoint(tiny_llama(4), tmp_path / "v000001"), 1)
+    await engine.wait_for_version(1)
+    await engine.stub.Resume(rollout_pb2.ResumeRequest(), timeout=5)
+    completion = (await call).completions[0]
+    assert completion.finish_reason == ABORT and 0 < len(completion.token_ids) < 240
+    assert set(completion.policy_versions) == {0}
