@@ -55,25 +55,26 @@ T = TypeVar("T")
 DESCRIPTION = """
 Generated tokens/s of the torch rollout engine ("verst": `TorchEngine`, driven in-process as the
 rollout server drives it) next to transformers' `model.generate` ("HF", in a child process of its
-own: in one process the two share OpenMP's thread pools, which slowed both sides 1.5 to 2x), on
-the same model directory, the same prompts and the same sampling settings; within each repeat
-the sides run one after the other (verst first in odd repeats, last in even ones).
+own: in one process the two share OpenMP's thread pools, which slowed both sides 1.5 to 2x), on the
+same model directory, the same prompts and the same sampling settings; within each repeat the sides
+run one after the other (verst first in odd repeats, last in even ones).
 
 - verst: one `GenerationRequest` per prompt, submitted together (`max_batch_size` = the batch, so
   they form one batch), timed from the first submit to the last completion (token ids, per-token
   logprobs, policy versions). TTFT: `first_token_at - submitted_at`, what
   `GenerateStats.time_to_first_token_s` reports, the largest in the batch.
 - HF: on left-padded prompts, `generate(input_ids, attention_mask, do_sample=True, temperature=1.0,
-  top_k=0, top_p=1.0, max_new_tokens, pad_token_id, output_scores=True, return_dict_in_generate=True)`, then
-  `compute_transition_scores(normalize_logits=True)` for the per-token logprobs (the engine computes
-  them, so a fair baseline must too). "HF plain": the same generate without scores. TTFT: a whole
-  generate with `max_new_tokens=1` at that batch (with scores).
-- Sampling: temperature 1.0, top-p 1, top-k 0, min-p 0 on both sides (HF's scores are checked free of
-  -inf, i.e. unfiltered), fixed seeds (verst: one per request; HF: `torch.manual_seed` before each
-  generate). The two draw differently (verst: one uniform per row from its own stream, inverted
-  through the row's CDF; HF:
-  `torch.multinomial`), so the sampled tokens differ, but the work does not: every row gets exactly
-  max_new_tokens new tokens, verst with `ignore_eos`, HF with no EOS id in its generation config.
+  top_k=0, top_p=1.0, max_new_tokens, pad_token_id, output_scores=True,
+  return_dict_in_generate=True)`, then `compute_transition_scores(normalize_logits=True)` for the
+  per-token logprobs (the engine computes them, so a fair baseline must too). "HF plain": the same
+  generate without scores. TTFT: a whole generate with `max_new_tokens=1` at that batch (with
+  scores).
+- Sampling: temperature 1.0, top-p 1, top-k 0, min-p 0 on both sides (HF's scores are checked free
+  of -inf, i.e. unfiltered), fixed seeds (verst: one per request; HF: `torch.manual_seed` before
+  each generate). The two draw differently (verst: one uniform per row from its own stream, inverted
+  through the row's CDF; HF: `torch.multinomial`), so the sampled tokens differ, but the work does
+  not: every row gets exactly max_new_tokens new tokens, verst with `ignore_eos`, HF with no EOS id
+  in its generation config.
 - Before the timed cases, a greedy cross-check runs the same prompts greedily on both sides: same
   tokens, logprobs equal within float error.
 """
