@@ -144,38 +144,41 @@ def process_uids(low: int, high: int) -> set[int]:
 
 class UidPool:
     """Gives each live sandbox a uid no other process has; a uid whose processes could not all
-    be killed stays out of use while any of them lives."""
+    be killed stays out of use while any of them lives.
+
+    Another sandbox service on the same host (a second replica, a test run) draws from the same
+    range: each pool starts at an offset of its own and skips any uid that has a process when it
+    is handed out, so two services do not share a uid (and so a kill of one's sandbox)."""
 
     def __init__(self, base: int, count: int) -> None:
         self._base, self._count = base, count
         self._lock = threading.Lock()
-        self._next = 0
+        self._next = (os.getpid() * 997) % count
         self._busy: set[int] = set()
-        self._dirty = process_uids(base, base + count)  # left by an earlier, killed service
-        if self._dirty:
-            log.warning("sandbox uids %s still have processes; skipping them", sorted(self._dirty))
+        self.used: set[int] = set()
+        """Every uid this pool has handed out."""
+        taken = process_uids(base, base + count)
+        if taken:
+            log.info("sandbox uids %s have processes (another service's?); skipping them", sorted(taken))
 
     def acquire(self) -> int:
         with self._lock:
+            taken = process_uids(self._base, self._base + self._count)
             for _ in range(self._count):
                 uid = self._base + self._next
                 self._next = (self._next + 1) % self._count
-                if uid in self._busy:
+                if uid in self._busy or uid in taken:
                     continue
-                if uid in self._dirty:
-                    if uid in process_uids(uid, uid + 1):
-                        continue
-                    self._dirty.discard(uid)
                 self._busy.add(uid)
+                self.used.add(uid)
                 return uid
         raise SandboxError(f"all {self._count} sandbox uids are in use")
 
     def release(self, uid: int, clean: bool) -> None:
         with self._lock:
             self._busy.discard(uid)
-            if not clean:
+            if not clean:  # acquire skips it while any of its processes lives
                 log.error("sandbox uid %d still has processes after the kill; it stays out of use", uid)
-                self._dirty.add(uid)
 
 
 class _Budget:

@@ -32,9 +32,11 @@ LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=5.0, memory_mb=256, output_bytes=409
 
 
 def sandbox_uids_in_use(sandboxes: Sandboxes) -> set[int]:
-    """Uids of the sandbox range that still have a process (none, once every sandbox is closed)."""
-    config = sandboxes.config
-    return process_uids(config.uid_base, config.uid_base + config.uid_count) if sandboxes.uids else set()
+    """Uids these sandboxes ran as that still have a process (none, once every sandbox is closed)."""
+    if sandboxes.uids is None:
+        return set()
+    used = sandboxes.uids.used  # not the whole range: other services on this host draw from it too
+    return {uid for uid in process_uids(min(used, default=0), max(used, default=-1) + 1) if uid in used}
 
 
 @pytest.fixture
@@ -251,3 +253,18 @@ def test_as_root_every_layer_applies(sandboxes: Sandboxes) -> None:
         assert sandboxes.config.uid_base <= uid < sandboxes.config.uid_base + sandboxes.config.uid_count
     finally:
         sandbox.close()
+
+
+def test_uids_another_service_runs_as_are_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sandbox services on one host draw from one uid range: a uid with a process is skipped."""
+    from services.reward import sandbox as sandbox_module
+    from services.reward.sandbox import SandboxError, UidPool
+
+    foreign = {5000, 5001}
+    monkeypatch.setattr(sandbox_module, "process_uids", lambda low, high: foreign & set(range(low, high)))
+    pool = UidPool(5000, 4)
+    assert {pool.acquire(), pool.acquire()} == {5002, 5003}
+    with pytest.raises(SandboxError, match="in use"):
+        pool.acquire()
+    pool.release(5003, clean=True)
+    assert pool.acquire() == 5003 and pool.used == {5002, 5003}
