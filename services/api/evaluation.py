@@ -179,7 +179,7 @@ class Evaluator:
                 prompt_token_ids=prompt,
                 response_token_ids=completion.token_ids,
                 answer=example.answer,
-                verifier=self.spec.reward.verifier,
+                verifier=self.spec.reward.scorer,
                 num_turns=1,
             )
             for index, (example, prompt, completion, text) in enumerate(

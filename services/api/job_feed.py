@@ -65,7 +65,7 @@ class PromptFeed:
             n_samples=self.spec.algorithm.group_size,
             sampling=self.sampling,
             answer=example.answer,
-            verifier=self.spec.reward.verifier,
+            verifier=self.spec.reward.scorer,
             split=common_pb2.SPLIT_TRAIN,
             max_turns=self.spec.rollout.max_turns,
             tools=self.spec.rollout.tools,

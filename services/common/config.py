@@ -184,6 +184,11 @@ class RewardConfig(Section):
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     """Deadline of one Score call."""
 
+    @property
+    def scorer(self) -> str:
+        """What ScoreRequest.verifier carries: the plugin's `module:function`, else the verifier."""
+        return self.plugin or self.verifier
+
 
 class TrainerConfig(Section):
     steps: int = Field(20, ge=1, le=10_000_000)

@@ -12,6 +12,11 @@ being written, which is what lets a tiny transformer learn the task in about a
 minute on a CPU. The eval split is a fixed set of distinct problems that the
 train split never produces.
 
+The built-in task ``multiply``: ``"What is 347*829?"`` with both operands in
+[317, 999], answered with the exact product (``"287663"``). It is a multi-turn
+task: a tiny model cannot multiply, so it is solved by calling the python tool
+and copying the result (``services/common/toolmodel.py`` builds such a model).
+
 Everyone encodes a prompt with ``encode_prompt`` so that the controller, the
 engines and the trainer agree on the token ids.
 """
@@ -152,6 +157,71 @@ def _addition_eval() -> list[PromptExample]:
     ]
 
 
+# --- the multiplication task (multi-turn: solved with the python tool) ---------------------------
+
+MULTIPLY_OPERAND_RANGE = (317, 999)
+"""Inclusive range of both operands: 3-digit numbers whose product always has 6 digits (317² =
+100489), so every answer has the same shape; the product is beyond a tiny model's arithmetic."""
+MULTIPLY_EVAL_SIZE = 500
+"""Distinct problems in the held-out split; the train split excludes all of them."""
+MULTIPLY_EVAL_SEED_BASE = 20_000
+"""Eval problem i is drawn from ``random.Random(MULTIPLY_EVAL_SEED_BASE + i)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class MultiplyProblem:
+    """``a * b``, asked in words; the answer is the product in ordinary decimal."""
+
+    a: int
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"What is {self.a}*{self.b}?"
+
+    @property
+    def answer(self) -> str:
+        return str(self.a * self.b)
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> MultiplyProblem:
+        low, high = MULTIPLY_OPERAND_RANGE
+        return cls(rng.randint(low, high), rng.randint(low, high))
+
+
+@functools.cache
+def multiply_eval_problems() -> tuple[MultiplyProblem, ...]:
+    """The held-out split: the first ``MULTIPLY_EVAL_SIZE`` distinct problems of seeds 20000, 20001, …"""
+    problems: dict[MultiplyProblem, None] = {}  # an ordered set
+    seed = MULTIPLY_EVAL_SEED_BASE
+    while len(problems) < MULTIPLY_EVAL_SIZE:
+        problems.setdefault(MultiplyProblem.draw(random.Random(seed)))
+        seed += 1
+    return tuple(problems)
+
+
+def multiply_train_problems(seed: int) -> Iterator[MultiplyProblem]:
+    """Endless training problems from one RNG stream, never one of the eval split's problems."""
+    held_out = frozenset(multiply_eval_problems())
+    rng = random.Random(seed)
+    while True:
+        problem = MultiplyProblem.draw(rng)
+        if problem not in held_out:
+            yield problem
+
+
+def _multiply_train(seed: int) -> Iterator[PromptExample]:
+    for index, problem in enumerate(multiply_train_problems(seed)):
+        yield PromptExample(f"multiply:train:{index}", problem.prompt, problem.answer)
+
+
+def _multiply_eval() -> list[PromptExample]:
+    return [
+        PromptExample(f"multiply:eval:{index}", problem.prompt, problem.answer)
+        for index, problem in enumerate(multiply_eval_problems())
+    ]
+
+
 # --- the registry -------------------------------------------------------------------------------
 
 
@@ -176,6 +246,16 @@ TASKS: dict[str, Task] = {
         train=_addition_train,
         eval=_addition_eval,
         score=score_addition,
+    ),
+    "multiply": Task(
+        name="multiply",
+        description=(
+            "3-digit by 3-digit multiplication, the exact product as the answer; a multi-turn task "
+            "(rollout.max_turns > 1) meant to be solved with the python tool"
+        ),
+        train=_multiply_train,
+        eval=_multiply_eval,
+        score=score_addition,  # the same rule: the stripped response is exactly the answer's digits
     ),
 }
 

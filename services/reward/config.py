@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
+from services.reward.plugins import PLUGIN_NAME
 from services.reward.verifiers import VERIFIERS
 
 
@@ -18,11 +19,33 @@ class RewardSettings(ServiceSettings):
     port: int = Field(50053, ge=0, le=65535)
     """gRPC port of the reward service; 0 picks a free one."""
     default_verifier: str = Field("addition", min_length=1)
-    """Verifier used for a ScoreRequest whose `verifier` is empty."""
+    """Verifier (or plugin, as module:function) used for a ScoreRequest whose `verifier` is empty."""
     score_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
-    """Deadline of one verifier call; a slower one yields ScoreResponse.error."""
+    """Deadline of one verifier or plugin call (less when the gRPC call's deadline is sooner);
+    a slower one yields ScoreResponse.error."""
     score_workers: int = Field(4, ge=1, le=1024)
-    """Threads that run verifiers (the items of a ScoreBatch are scored concurrently on them)."""
+    """Threads that run verifiers and sync plugins (a ScoreBatch's items are scored concurrently)."""
+
+    numeric_rel_tol: float = Field(1e-6, ge=0.0, lt=1.0)
+    """`numeric` verifier: relative tolerance between the response's last number and the answer."""
+    numeric_abs_tol: float = Field(1e-9, ge=0.0)
+    """`numeric` verifier: absolute tolerance (for answers near zero)."""
+    math_workers: int = Field(2, ge=1, le=256)
+    """`math` verifier: worker processes running math-verify (checks at once)."""
+    math_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """`math` verifier: time for one parse and comparison (within score_timeout_s); a worker past
+    it is replaced."""
+    code_test_timeout_s: float = Field(2.0, gt=0.0, le=3600.0)
+    """`code` verifier: time for one unit test (tests may ask for less)."""
+    code_timeout_s: float = Field(8.0, gt=0.0, le=3600.0)
+    """`code` verifier: wall time of the sandbox call that runs the program and all its tests
+    (within score_timeout_s)."""
+
+    plugins_enabled: bool = True
+    """Score requests whose verifier is a user plugin `module:function` (JobSpec reward.plugin)."""
+    plugin_modules: list[str] = Field(default_factory=list)
+    """Packages plugins may come from (JSON list; `mypkg` allows `mypkg.rewards`); empty: any
+    importable module but the standard library and verst's own."""
 
     tools_enabled: bool = True
     """Serve verst.v1.Tools (the sandboxed `python` tool) in this process beside verst.v1.Reward."""
@@ -67,6 +90,7 @@ class RewardSettings(ServiceSettings):
     @field_validator("default_verifier")
     @classmethod
     def _known_verifier(cls, value: str) -> str:
-        if value not in VERIFIERS:
-            raise ValueError(f"unknown verifier {value!r}; known: {', '.join(sorted(VERIFIERS))}")
+        if value not in VERIFIERS and PLUGIN_NAME.fullmatch(value) is None:
+            known = ", ".join(sorted(VERIFIERS))
+            raise ValueError(f"unknown verifier {value!r}; known: {known}, or a plugin as module:function")
         return value

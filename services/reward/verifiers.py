@@ -5,20 +5,44 @@ the scalar reward, its named parts, and free-form strings worth showing (the
 parsed answer, say). It raises on input it cannot judge; the reward service
 turns the exception into ``ScoreResponse.error``, never into a silent zero.
 
-Every built-in task of ``services.common.tasks`` is registered under its own
-name (``"addition"``), next to the general-purpose ``"exact_match"``.
+The registry (``builtin_verifiers``):
+
+- every built-in task of ``services.common.tasks`` under its own name (``"addition"``),
+  and the task verifiers that read an episode's metadata (``task_verifiers.py``);
+- ``exact_match``: the stripped response equals the stripped answer;
+- ``numeric``: the last number of the response is within a relative or absolute
+  tolerance of the answer's number;
+- ``math``: math-verify's symbolic comparison (``math_verifier.py``);
+- ``code``: the fraction of the task's unit tests the response's program passes in the
+  sandbox (``code_verifier.py``).
+
+User reward functions are not registered here: a ScoreRequest names one as
+``module:function`` (``plugins.py``).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from services.common.tasks import TASKS, Task
+from services.reward.code_verifier import CodeVerifier
+from services.reward.math_verifier import MathVerifier
+from services.reward.sandbox import SandboxConfig
+from services.reward.task_verifiers import TASK_VERIFIERS
 
 VerifierResult = tuple[float, dict[str, float], dict[str, str]]
 """(reward, components, info)."""
 Verifier = Callable[[str, str, Mapping[str, str]], VerifierResult]
 """(response_text, answer, metadata) -> VerifierResult."""
+
+NUMBER = re.compile(
+    r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+(?!\.?\d))?"
+    r"|(?<![\w.])[-+]?\.\d+(?:[eE][-+]?\d+)?"
+)
+"""A number as answers write it: ``-12``, ``3.5``, ``1,234.5``, ``.5``, ``6.02e23``, ``3/4``."""
 
 
 def exact_match(response_text: str, answer: str, metadata: Mapping[str, str]) -> VerifierResult:
@@ -26,6 +50,39 @@ def exact_match(response_text: str, answer: str, metadata: Mapping[str, str]) ->
     response = response_text.strip()
     correct = float(response == answer.strip())
     return correct, {"correct": correct}, {"parsed": response}
+
+
+def last_number(text: str) -> tuple[float, str] | None:
+    """The value and the text of the last number in ``text``; None when it has none."""
+    matches = NUMBER.findall(text)
+    if not matches:
+        return None
+    shown = matches[-1]
+    number, _, denominator = shown.replace(",", "").replace(" ", "").partition("/")
+    value = float(number) / float(denominator) if denominator else float(number)
+    return value, shown
+
+
+@dataclass(frozen=True)
+class NumericVerifier:
+    """The ``numeric`` verifier: reward 1.0 iff the response's last number is within
+    ``rel_tol`` (relative to the larger magnitude) or ``abs_tol`` of the answer's number, as
+    ``math.isclose`` has it. Components: ``correct``, ``parsed`` (the response has a number).
+    An answer without a number raises."""
+
+    rel_tol: float = 1e-6
+    abs_tol: float = 1e-9
+
+    def __call__(self, response_text: str, answer: str, metadata: Mapping[str, str]) -> VerifierResult:
+        expected = last_number(answer)
+        if expected is None:
+            raise ValueError(f"the answer {answer!r:.100} has no number")
+        got = last_number(response_text)
+        if got is None:
+            return 0.0, {"correct": 0.0, "parsed": 0.0}, {"parsed": ""}
+        correct = float(math.isclose(got[0], expected[0], rel_tol=self.rel_tol, abs_tol=self.abs_tol))
+        info = {"parsed": got[1], "abs_error": f"{abs(got[0] - expected[0]):.6g}"}
+        return correct, {"correct": correct, "parsed": 1.0}, info
 
 
 def task_verifier(task: Task) -> Verifier:
@@ -40,12 +97,40 @@ def task_verifier(task: Task) -> Verifier:
     return verify
 
 
-def builtin_verifiers() -> dict[str, Verifier]:
-    """Every built-in verifier by name: one per task, and ``exact_match``."""
+@dataclass(frozen=True)
+class VerifierOptions:
+    """What the configurable verifiers need; the service fills it from its settings."""
+
+    numeric_rel_tol: float = 1e-6
+    """``numeric``: relative tolerance."""
+    numeric_abs_tol: float = 1e-9
+    """``numeric``: absolute tolerance."""
+    math_workers: int = 2
+    """``math``: checks at once, one worker process each."""
+    math_timeout_s: float = 5.0
+    """``math``: time for one parse and comparison."""
+    code_test_timeout_s: float = 2.0
+    """``code``: time for one test."""
+    code_timeout_s: float = 8.0
+    """``code``: wall time of the whole sandbox call."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """``code``: how its sandboxes are made."""
+
+
+def builtin_verifiers(options: VerifierOptions | None = None) -> dict[str, Verifier]:
+    """Every built-in verifier by name. Nothing starts here: ``math`` starts its worker
+    processes and ``code`` its sandboxes on first use."""
+    options = options if options is not None else VerifierOptions()
     verifiers: dict[str, Verifier] = {name: task_verifier(task) for name, task in TASKS.items()}
+    verifiers.update(TASK_VERIFIERS)  # tasks whose verifier reads the episode's metadata
     verifiers["exact_match"] = exact_match
+    verifiers["numeric"] = NumericVerifier(options.numeric_rel_tol, options.numeric_abs_tol)
+    verifiers["math"] = MathVerifier(options.math_workers, options.math_timeout_s)
+    verifiers["code"] = CodeVerifier(
+        options.sandbox, test_timeout_s=options.code_test_timeout_s, timeout_s=options.code_timeout_s
+    )
     return verifiers
 
 
 VERIFIERS: Mapping[str, Verifier] = builtin_verifiers()
-"""The registry the reward service serves by default."""
+"""The registry with default options: its names are the verifiers a setting may name."""

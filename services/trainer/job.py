@@ -147,6 +147,13 @@ def check_supported(spec: JobSpec) -> None:
     deepspeed_config(spec.trainer, spec.model.dtype)
 
 
+def tool_use_rate(groups: Iterable[Group]) -> float:
+    """Share of the groups' trajectories whose episode ran at least one tool call (the runner
+    counts them in ``metadata["tool_calls"]``)."""
+    counts = [t.metadata.get("tool_calls", "0") for g in groups for t in g.trajectories.values()]
+    return sum(1 for c in counts if c.isdigit() and int(c) > 0) / len(counts) if counts else 0.0
+
+
 def unique_deliveries(groups: Iterable[Group]) -> list[Delivery[Trajectory]]:
     """Each stream entry of the groups once (a reclaimed entry is delivered twice)."""
     seen: dict[str, Delivery[Trajectory]] = {}
@@ -400,7 +407,8 @@ class JobRun:
         await consumer.ack(self._in_training)
         self._in_training = []
         await asyncio.to_thread(self.store.prune)
-        await self._publish_metrics(stats, prepared, (optimised_at - collected_at, saved_at - optimised_at))
+        timings = (optimised_at - collected_at, saved_at - optimised_at)
+        await self._publish_metrics(stats, prepared, timings, groups)
 
     def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
         """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
@@ -416,7 +424,7 @@ class JobRun:
         return len({t.reward for t in group.trajectories.values()}) == 1
 
     async def _publish_metrics(
-        self, stats: StepStats, prepared: Prepared, timings: tuple[float, float]
+        self, stats: StepStats, prepared: Prepared, timings: tuple[float, float], groups: list[Group]
     ) -> None:
         optimise_s, checkpoint_s = timings
         samples = prepared.samples
@@ -433,6 +441,8 @@ class JobRun:
             "checkpoint_seconds": checkpoint_s,
             "tokens_per_s": stats.tokens / optimise_s if optimise_s > 0 else 0.0,
         }
+        if self.spec.rollout.max_turns > 1:
+            values["tool_use_rate"] = tool_use_rate(groups)
         self.drops = DropCounts()
         await self._publish_trainer_metric(values)
         self.progress.consumed_trajectories += len(prepared.rewards)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
@@ -18,6 +20,8 @@ from tests.helpers import serve
 from tests.integration.test_services import start, stop
 
 DEADLINE_S = 10.0
+PLUGIN = "tests.unit.test_verifiers:length_plugin"
+"""A sync plugin: 1 / (1 + characters of difference), component ``gap``."""
 TIMEOUT_S = 1.0
 """score_timeout_s of the in-process server."""
 
@@ -43,9 +47,9 @@ def wrong_shape(response_text: str, answer: str, metadata: Mapping[str, str]) ->
 TEST_VERIFIERS = {**VERIFIERS, "sleepy": sleepy, "broken": broken, "nan": not_a_number, "shape": wrong_shape}
 
 
-@pytest.fixture
-async def stub() -> AsyncIterator[reward_pb2_grpc.RewardStub]:
-    settings = RewardSettings(port=0, score_timeout_s=TIMEOUT_S, score_workers=8)
+@contextlib.asynccontextmanager
+async def served(score_timeout_s: float) -> AsyncIterator[reward_pb2_grpc.RewardStub]:
+    settings = RewardSettings(port=0, score_timeout_s=score_timeout_s, score_workers=8)
     servicer = RewardServicer(settings, TEST_VERIFIERS)
     server, address = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(servicer, s))
     try:
@@ -53,6 +57,19 @@ async def stub() -> AsyncIterator[reward_pb2_grpc.RewardStub]:
             yield reward_pb2_grpc.RewardStub(client)
     finally:
         await server.stop(0)
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[reward_pb2_grpc.RewardStub]:
+    async with served(TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture
+async def roomy_stub() -> AsyncIterator[reward_pb2_grpc.RewardStub]:
+    """Items may take DEADLINE_S: a math worker's first start imports sympy."""
+    async with served(DEADLINE_S) as client:
+        yield client
 
 
 def request(response: str, answer: str, verifier: str = "", **metadata: str) -> reward_pb2.ScoreRequest:
@@ -133,8 +150,42 @@ async def test_register_names_the_service() -> None:
 
 
 def test_unknown_default_verifier_is_a_settings_error() -> None:
-    with pytest.raises(ValueError, match="unknown verifier 'nope'; known: addition, exact_match"):
+    with pytest.raises(ValueError, match="unknown verifier 'nope'; known: addition, code, exact_match"):
         RewardSettings(default_verifier="nope")
+    assert RewardSettings(default_verifier=PLUGIN).default_verifier == PLUGIN
+
+
+async def test_the_call_deadline_bounds_each_item(stub: reward_pb2_grpc.RewardStub) -> None:
+    """An item whose verifier outlives the caller's deadline is answered, as an error, in time."""
+    started = time.monotonic()
+    reply = await stub.ScoreBatch(
+        reward_pb2.ScoreBatchRequest(items=[request("1", "1", "sleepy", sleep_s="3"), request("231", "231")]),
+        timeout=0.5,
+    )
+    assert time.monotonic() - started < 0.5
+    assert reply.results[0].error.startswith("verifier 'sleepy' did not finish within 0.4")
+    assert (reply.results[1].reward, reply.results[1].error) == (1.0, "")
+
+
+async def test_registry_verifiers_and_plugins_in_one_batch(roomy_stub: reward_pb2_grpc.RewardStub) -> None:
+    tests = json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 5"])
+    items = [
+        request("about 3.14159", "3.1416", "numeric"),
+        request("so \\boxed{\\frac{1}{2}}", "0.5", "math"),
+        request("```python\ndef add(a, b):\n    return a + b\n```", tests, "code"),
+        request("23", "231", PLUGIN),
+        request("231", "231", "tests.unit.test_verifiers:raising_plugin"),
+    ]
+    reply = await roomy_stub.ScoreBatch(reward_pb2.ScoreBatchRequest(items=items), timeout=DEADLINE_S + 1)
+    numeric, math, code, plugin, raising = reply.results
+    assert (numeric.reward, numeric.info["parsed"], numeric.error) == (0.0, "3.14159", "")  # outside 1e-6
+    assert (math.reward, dict(math.components), math.error) == (1.0, {"correct": 1.0, "parsed": 1.0}, "")
+    assert (code.reward, code.components["test:0"], code.components["test:1"]) == (0.5, 1.0, 0.0)
+    assert (plugin.reward, dict(plugin.components), plugin.error) == (0.5, {"gap": 1.0}, "")
+    assert (raising.reward, raising.error) == (
+        0.0,
+        "plugin 'tests.unit.test_verifiers:raising_plugin' failed: RuntimeError: the judge is out to lunch",
+    )
 
 
 async def test_the_service_process_scores(python: str, python_env: dict[str, str], redis_url: str) -> None:
@@ -146,10 +197,17 @@ async def test_the_service_process_scores(python: str, python_env: dict[str, str
             status = await health.Check(check, timeout=30, wait_for_ready=True)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             reply = await reward_pb2_grpc.RewardStub(client).ScoreBatch(
-                reward_pb2.ScoreBatchRequest(items=[request("231", "231"), request("22", "231")]),
-                timeout=DEADLINE_S,
+                reward_pb2.ScoreBatchRequest(
+                    items=[
+                        request("231", "231"),
+                        request("22", "231"),
+                        request("\\boxed{0.5}", "1/2", "math"),  # a worker process of the service
+                        request("23", "231", PLUGIN),
+                    ]
+                ),
+                timeout=30,  # the math worker's first start imports sympy
             )
     finally:
         code, output = stop(proc)
-    assert [(r.reward, r.error) for r in reply.results] == [(1.0, ""), (0.0, "")]
+    assert [(r.reward, r.error) for r in reply.results] == [(1.0, ""), (0.0, ""), (1.0, ""), (0.5, "")]
     assert code == 0, output
