@@ -396,7 +396,10 @@ def _build_into_place(name: str, recipe: WarmupRecipe, final_dir: Path, *, progr
 def resolve_model_path(path: str) -> Path:
     """``builtin:<name>`` -> the built model's directory; else an existing local directory."""
     if path.startswith(BUILTIN_PREFIX):
-        return ensure_builtin_model(path.removeprefix(BUILTIN_PREFIX))
+        from services.common.toolmodel import TOOL_MODELS, ensure_tool_model  # it imports this module
+
+        name = path.removeprefix(BUILTIN_PREFIX)
+        return ensure_tool_model(name) if name in TOOL_MODELS else ensure_builtin_model(name)
     directory = Path(path).expanduser()
     if not directory.exists():
         raise ModelPathError(f"model path {path!r} does not exist")
