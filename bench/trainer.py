@@ -273,10 +273,14 @@ def section(cfg: Settings, command: str, host: dict[str, str], cases: Sequence[C
             f" tokens (min / median / max); {c.tokens:,} tokens in all; {c.check}"
             for c in cases
         ),
-        f"- per model: {cfg.warmup} uncounted warm-up step(s) per side, then {cfg.repeat} timed repeats,"
-        f" or more (at most {MAX_REPEAT}) until verst's timed steps add up to {cfg.min_seconds:g} s;"
-        f" medians; before each repeat, a wait of up to {cfg.quiet_wait_s:g} s for other processes to keep"
-        f" under {BUSY_MACHINE} cores busy for 1 s; seed {cfg.seed}",
+        f"- per model: {cfg.warmup} uncounted warm-up step(s) per side, then {cfg.repeat} timed repeats"
+        + (
+            f", or more (at most {MAX_REPEAT}) until verst's timed steps add up to {cfg.min_seconds:g} s"
+            if cfg.min_seconds > 0
+            else ""
+        )
+        + f"; medians; before each repeat, a wait of up to {cfg.quiet_wait_s:g} s for other processes"
+        f" to keep under {BUSY_MACHINE} cores busy for 1 s; seed {cfg.seed}",
         "",
     ]
     table = [

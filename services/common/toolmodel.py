@@ -9,9 +9,10 @@ up by supervised training on synthetic multi-turn transcripts of the ``multiply`
 
 (the prompt, then a hermes tool call, the observation the runner appends — rendered with
 ``RolloutConfig.tool_observation``'s default — and the answer copied from it), or, with
-probability 1 - ``p_tool``, a direct guess (``512071</s>``), always wrong: a 0.5M-parameter
-model cannot multiply 3-digit numbers. The loss covers the model's tokens only (the call,
-the answer, EOS), never the prompt or the observation, as the trainer's loss mask does.
+probability 1 - ``p_tool``, a direct answer that is always wrong (the operands' digits run
+together, ``347829</s>``): a 0.5M-parameter model cannot multiply 3-digit numbers. The
+loss covers the model's tokens only (the call, the answer, EOS), never the prompt or the
+observation, as the trainer's loss mask does.
 
 So the base model samples a well-formed call about ``p_tool`` of the time and then copies
 the tool's output reliably, and otherwise answers wrong: the reward at the start is about
@@ -93,7 +94,9 @@ class ToolRecipe:
     max_position_embeddings: int = 256
     rope_theta: float = 10_000.0
     """Prompt (17 tokens) + a whole episode (about 130) with room to spare."""
-    steps: int = 300
+    steps: int = 500
+    """Copying is learnt by about step 200; the rest sharpens it for sampling at temperature 1
+    (calls whose sampled code is exactly right: 92% after 300 steps, 96% after 500)."""
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 30
@@ -101,14 +104,12 @@ class ToolRecipe:
     final_lr_fraction: float = 0.1
     p_tool: float = 0.4
     """Share of warm-up transcripts that call the tool (the rest guess an answer)."""
-    guess: str = "digits"
-    """How the other transcripts answer directly: ``guess_transcript``'s kind."""
     observation: str = DEFAULT_OBSERVATION
     """How tool output is shown; a job must use the same ``rollout.tool_observation``."""
     init_seed: int = 0
     data_seed: int = 1
     label_seed: int = 2
-    check_prompts: int = 64
+    check_prompts: int = 256
     """Held-out prompts of the build-end checks."""
     check_seed: int = 3
 
@@ -191,20 +192,16 @@ def tool_transcript(problem: MultiplyProblem, observation: str) -> list[Segment]
     ]
 
 
-def guess_transcript(problem: MultiplyProblem, rng: random.Random, kind: str = "digits") -> list[Segment]:
-    """A direct answer, never the product: the operands' digits run together (``digits``:
-    347*829 -> 347829, a copy from the prompt, so the warm-up's every row trains copying) or
-    a random 6-digit number (``random``)."""
-    product = problem.a * problem.b
-    if kind == "digits":
-        guess = int(f"{problem.a}{problem.b}")  # 1000a + b = ab has no 3-digit solution
-    elif kind == "random":
-        guess = product
-        while guess == product:
-            guess = rng.randint(100_000, 999_999)
-    else:
-        raise ValueError(f"unknown guess kind {kind!r}: digits or random")
-    return [(str(guess), True)]
+def guess_transcript(problem: MultiplyProblem) -> list[Segment]:
+    """A direct answer, never the product: the operands' digits run together (347*829 ->
+    ``347829``; 1000a + b = ab has no 3-digit solution).
+
+    A copy from the prompt rather than a random number: a random guess is noise the model
+    cannot learn, while this short row trains the same copying the tool transcripts need
+    (the code's operands, the tool's output). With random guesses the 2-layer model had not
+    learnt to copy the tool's output reliably after 1000 steps; with these it has by step 200.
+    """
+    return [(f"{problem.a}{problem.b}", True)]
 
 
 def encode_transcript(
@@ -230,12 +227,12 @@ def warmup_transcripts(
     recipe: ToolRecipe, tokenizer: PreTrainedTokenizerFast
 ) -> Iterator[tuple[list[int], list[bool]]]:
     """Endless encoded warm-up transcripts: tool use with probability ``p_tool``, else a guess."""
-    choice_rng, guess_rng = random.Random(recipe.label_seed), random.Random(recipe.label_seed + 1)
+    choice_rng = random.Random(recipe.label_seed)
     for problem in multiply_train_problems(recipe.data_seed):
         if choice_rng.random() < recipe.p_tool:
             segments = tool_transcript(problem, recipe.observation)
         else:
-            segments = guess_transcript(problem, guess_rng, recipe.guess)
+            segments = guess_transcript(problem)
         yield encode_transcript(tokenizer, problem.prompt, segments)
 
 

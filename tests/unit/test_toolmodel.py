@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 from pathlib import Path
 
 import pytest
@@ -79,9 +78,9 @@ def test_tool_transcript_is_what_the_runner_parses_and_renders() -> None:
 
 
 def test_guesses_are_wrong_answers_that_call_nothing() -> None:
-    rng = random.Random(0)
-    for problem in multiply_eval_problems()[:200]:
-        [(guess, model)] = guess_transcript(problem, rng)
+    assert guess_transcript(PROBLEM) == [("347829", True)]
+    for problem in multiply_eval_problems():
+        [(guess, model)] = guess_transcript(problem)
         assert model and guess.isdigit() and guess != problem.answer
         assert parse_tool_calls(guess, formats_of("auto")) == []
         assert python_code_of(guess) is None
