@@ -116,8 +116,11 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama_config(recipe: WarmupRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
-    """The Llama architecture of a builtin model (537,600 parameters with the default recipe)."""
+def tiny_llama_config(
+    recipe: WarmupRecipe, tokenizer: PreTrainedTokenizerFast, *, rope_theta: float = 10_000.0
+) -> LlamaConfig:
+    """The Llama architecture of a builtin model (537,600 parameters with the default recipe);
+    ``recipe`` may be any recipe with the same shape fields (the tool models' too)."""
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
@@ -126,6 +129,7 @@ def tiny_llama_config(recipe: WarmupRecipe, tokenizer: PreTrainedTokenizerFast) 
         num_attention_heads=recipe.num_attention_heads,
         num_key_value_heads=recipe.num_attention_heads,
         max_position_embeddings=recipe.max_position_embeddings,
+        rope_theta=rope_theta,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

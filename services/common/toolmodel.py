@@ -60,6 +60,7 @@ from services.common.basemodel import (
     available_cpus,
     default_cache_dir,
     read_stamp,
+    tiny_llama_config,
 )
 from services.common.config import RolloutConfig
 from services.common.tasks import (
@@ -151,21 +152,8 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tool_llama_config(recipe: ToolRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
-    """The Llama architecture of a tool model (basemodel's, with this tokenizer and length)."""
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_hidden_layers,
-        num_attention_heads=recipe.num_attention_heads,
-        num_key_value_heads=recipe.num_attention_heads,
-        max_position_embeddings=recipe.max_position_embeddings,
-        rope_theta=recipe.rope_theta,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    """The Llama architecture of a tool model: basemodel's, with this tokenizer and rope base."""
+    return tiny_llama_config(recipe, tokenizer, rope_theta=recipe.rope_theta)  # type: ignore[arg-type]
 
 
 def python_call(code: str) -> str:

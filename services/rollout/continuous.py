@@ -35,7 +35,10 @@ def finish_reason(row: Row, tokenizer: object | None) -> int | None:
     if row.tokens[-1] in row.stop_ids:
         return common_pb2.FINISH_REASON_STOP
     if config.stop and tokenizer is not None:
-        text = tokenizer.decode(row.tokens)  # type: ignore[attr-defined]
+        # Checked after every token, so a stop can only end in the newest one: decode a tail
+        # long enough to hold any stop string, not the whole response (quadratic otherwise).
+        tail = row.tokens[-(2 * max(map(len, config.stop)) + 8) :]
+        text = tokenizer.decode(tail)  # type: ignore[attr-defined]
         if any(stop in text for stop in config.stop):
             return common_pb2.FINISH_REASON_STOP
     if len(row.tokens) >= config.max_new_tokens:
