@@ -4,14 +4,15 @@ One process, one model directory, one RL batch (see bench/trainer_sides.py), thr
 one optimiser step at a time, alternating within each repeat:
 
 - verst: ``Policy.optimise`` as the trainer service runs it: a DeepSpeed engine (ZeRO-1,
-  gradient clipping 1.0, torch AdamW), the samples packed into micro-batches of at most
-  ``--micro-batch-tokens`` (first-fit decreasing), gradient accumulation, the real loss
-  (``objective.micro_batch_loss``: ppo_clip plus the logged entropy and statistics);
+  gradient clipping 1.0, torch AdamW), the samples packed end to end into rows and the rows into
+  micro-batches of at most ``--micro-batch-tokens`` (``batching.plan_micro_batches``), gradient
+  accumulation, the real loss (``objective.micro_batch_loss``: ppo_clip plus the logged
+  entropy and statistics);
 - torch: a fresh copy of the same weights under plain transformers, the same micro-batches
-  (same packing, same padding, same ``collate``): forward, token logprobs, ``losses.ppo_clip``,
+  (same packed rows, same ``collate``): forward, token logprobs, ``losses.ppo_clip``,
   backward per micro-batch, then ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``;
 - naive: that same plain loop over fixed micro-batches of ``--naive-rows`` samples in arrival
-  order, each padded to its longest sequence (what a loop without packing does).
+  order, one per row, each padded to its longest sequence (what a loop without packing does).
 
 tokens/s = real (unpadded) tokens, prompts included, / seconds of the step (what the trainer
 reports as ``tokens_per_s``). Before the timed steps, both verst and torch take one step from
@@ -50,11 +51,10 @@ from bench.trainer_sides import (
     describe,
     job_spec,
     naive_packs,
-    padding_waste,
     rl_batch,
     versions,
 )
-from services.trainer.batching import TrainSample, pack_micro_batches
+from services.trainer.batching import Pack, TrainSample, padding_waste, plan_micro_batches
 
 SECTION_TITLE = "## trainer (bench/trainer.py)"
 NOTES_MARKER = (
@@ -68,12 +68,14 @@ CHECK_TOLERANCE = 1e-4
 """Largest relative difference of loss and gradient norm between verst's and torch's first step."""
 DESCRIPTION = """
 Training tokens/s of one optimiser step: verst's trainer (`Policy.optimise`: DeepSpeed engine,
-ZeRO-1, gradient clipping 1.0, torch AdamW, first-fit-decreasing packing to `micro_batch_tokens`,
-gradient accumulation, the real loss with its logged statistics) next to a plain torch loop on a
-fresh copy of the same weights over the very same micro-batches (`collate` of the same packs):
-forward, token logprobs, `losses.ppo_clip`, backward, then `clip_grad_norm_`, `AdamW.step`,
-`zero_grad`. "naive" is that plain loop over fixed micro-batches in arrival order, each padded to
-its longest row (no packing). All three in one process, the same torch threads, fp32 on the CPU;
+ZeRO-1, gradient clipping 1.0, torch AdamW; samples packed end to end into rows as wide as the
+longest sample, each with its own position ids, and the rows into micro-batches of
+`micro_batch_tokens`, both first-fit decreasing; gradient accumulation; the real loss with its
+logged statistics) next to a plain torch loop on a fresh copy of the same weights over the very
+same micro-batches (`collate` of the same packed rows): forward, token logprobs,
+`losses.ppo_clip`, backward, then `clip_grad_norm_`, `AdamW.step`, `zero_grad`. "naive" is that
+plain loop over fixed micro-batches in arrival order, one sample per row, each padded to its
+longest row (no packing). All three in one process, the same torch threads, fp32 on the CPU;
 within each repeat the sides run one after the other (verst first in odd repeats, last in even).
 tokens/s = real (unpadded) tokens, prompts included, / seconds per step, as the trainer reports
 `tokens_per_s`; padding waste = padded tokens / tokens computed in the micro-batches.
@@ -121,7 +123,8 @@ class Case:
     naive_packs: int
     naive_waste: float
     check: str
-    waste_by_budget: dict[int, float]
+    waste_by_budget: dict[int, tuple[float, float]]
+    """micro_batch_tokens -> padding waste packed, and with one sample per row."""
     verst: list[Timing] = field(default_factory=list)
     torch: list[Timing] = field(default_factory=list)
     naive: list[Timing] = field(default_factory=list)
@@ -153,9 +156,7 @@ def timed(call: Callable[[], StepResult]) -> Timing:
     return Timing(step, other)
 
 
-def cross_check(
-    verst: VerstSide, plain: PlainSide, samples: list[TrainSample], packs: list[list[int]]
-) -> str:
+def cross_check(verst: VerstSide, plain: PlainSide, samples: list[TrainSample], packs: list[Pack]) -> str:
     """One step of each from the same weights: same tokens, loss and gradient norm."""
     ours, theirs = verst.step(samples, seed=0), plain.step(samples, packs)
 
@@ -174,8 +175,8 @@ def cross_check(
 
 
 def run_repeat(
-    verst: VerstSide, plain: PlainSide, samples: list[TrainSample], packs: list[list[int]],
-    naive: list[list[int]], *, verst_first: bool,
+    verst: VerstSide, plain: PlainSide, samples: list[TrainSample], packs: list[Pack],
+    naive: list[Pack], *, verst_first: bool,
 ) -> tuple[Timing, Timing, Timing]:  # fmt: skip
     """[verst, torch, naive]: verst first in odd repeats, last in even ones (so that a drift in
     machine speed does not always favour the same side)."""
@@ -191,7 +192,7 @@ def run_repeat(
 
 def measure(
     case: Case, verst: VerstSide, plain: PlainSide, samples: list[TrainSample],
-    packs: list[list[int]], naive: list[list[int]], cfg: Settings,
+    packs: list[Pack], naive: list[Pack], cfg: Settings,
 ) -> None:  # fmt: skip
     """Warm-up steps, then the timed repeats, into ``case``."""
     for _ in range(cfg.warmup):
@@ -225,7 +226,7 @@ def measure_model(name: str, cfg: Settings) -> Case:
     model = PlainModel(path, spec)
     samples = rl_batch(model, bench_model.prompts, shape, spec, path, cfg.seed)
     lengths = [s.length for s in samples]
-    packs = pack_micro_batches(lengths, cfg.micro_batch_tokens)
+    packs = plan_micro_batches(lengths, cfg.micro_batch_tokens)
     naive = naive_packs(len(samples), cfg.naive_rows)
     verst = VerstSide(path, spec)
     try:
@@ -244,7 +245,11 @@ def measure_model(name: str, cfg: Settings) -> Case:
             naive_waste=padding_waste(lengths, naive),
             check=check,
             waste_by_budget={
-                b: padding_waste(lengths, pack_micro_batches(lengths, b)) for b in WASTE_BUDGETS
+                b: (
+                    padding_waste(lengths, plan_micro_batches(lengths, b)),
+                    padding_waste(lengths, plan_micro_batches(lengths, b, packed=False)),
+                )
+                for b in WASTE_BUDGETS
             },
         )
         measure(case, verst, plain, samples, packs, naive, cfg)
@@ -296,12 +301,13 @@ def section(cfg: Settings, command: str, host: dict[str, str], cases: Sequence[C
             for c in cases
         ),
         "",
-        "Padding waste of verst's packing of the same batch at other micro_batch_tokens (not timed):",
+        "Padding waste of verst's plan for the same batch at other micro_batch_tokens, packed rows"
+        " (`trainer.packing`, the default) / one sample per row (not timed):",
         "",
         "| model | " + " | ".join(str(b) for b in WASTE_BUDGETS) + " |",
         "|---|" + "---:|" * len(WASTE_BUDGETS),
         *(
-            f"| {c.model} | " + " | ".join(f"{c.waste_by_budget[b]:.1%}" for b in WASTE_BUDGETS) + " |"
+            f"| {c.model} | " + " | ".join(f"{p:.1%} / {o:.1%}" for p, o in c.waste_by_budget.values()) + " |"
             for c in cases
         ),
         "",

@@ -24,8 +24,10 @@ from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2
 from services.trainer.batching import (
     MicroBatch,
+    Pack,
     TrainSample,
     collate,
+    local_pack,
     per_response_token,
     token_logprobs,
 )
@@ -108,9 +110,7 @@ class PlainModel:
         return per_response_token(samples, 2048, CPU, self._token_logprobs)
 
     def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        ids, mask = batch.input_ids, batch.attention_mask
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        return token_logprobs(logits, batch.input_ids)
+        return token_logprobs(self.model(**batch.model_inputs()).logits, batch.input_ids)
 
 
 def rl_batch(
@@ -162,15 +162,10 @@ def rl_batch(
     return prepare(groups, spec, version=0, policy=model).samples
 
 
-def padding_waste(lengths: Sequence[int], packs: Sequence[Sequence[int]]) -> float:
-    """Share of the tokens computed over ``packs`` (rows x longest row each) that are padding."""
-    padded = sum(len(pack) * max(lengths[i] for i in pack) for pack in packs)
-    return 1.0 - sum(lengths) / padded if padded else 0.0
-
-
-def naive_packs(count: int, rows: int) -> list[list[int]]:
-    """Fixed-size micro-batches of ``rows`` samples in arrival order (no sorting, no budget)."""
-    return [list(range(start, min(start + rows, count))) for start in range(0, count, rows)]
+def naive_packs(count: int, rows: int) -> list[Pack]:
+    """Fixed-size micro-batches of ``rows`` samples in arrival order, one sample per row (no
+    sorting, no budget, no packing)."""
+    return [[[i] for i in range(start, min(start + rows, count))] for start in range(0, count, rows)]
 
 
 class VerstSide:
@@ -199,8 +194,8 @@ class PlainSide:
         self.optimizer = model.optimizer
         self.spec = spec
 
-    def step(self, samples: Sequence[TrainSample], packs: Sequence[Sequence[int]]) -> StepResult:
-        """One optimiser step over ``packs`` (index lists into ``samples``), collated each step."""
+    def step(self, samples: Sequence[TrainSample], packs: Sequence[Pack]) -> StepResult:
+        """One optimiser step over ``packs`` (rows of indices into ``samples``), collated each step."""
         algorithm, trainer = self.spec.algorithm, self.spec.trainer
         start = time.perf_counter()
         weights = sample_token_weights(
@@ -209,10 +204,9 @@ class PlainSide:
         self.model.train()
         loss, tokens, padded = 0.0, 0, 0
         for pack in packs:
-            batch = collate([samples[i] for i in pack], [weights[i] for i in pack], CPU)
-            logits = self.model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
+            indices, rows = local_pack(pack)
+            batch = collate([samples[i] for i in indices], [weights[i] for i in indices], CPU, rows)
+            logits = self.model(**batch.model_inputs()).logits
             logprobs = token_logprobs(logits, batch.input_ids)
             inputs = PolicyLossInputs(
                 logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.weights * batch.is_weights

@@ -207,6 +207,8 @@ class TrainerConfig(Section):
     """DeepSpeed ZeRO stage."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one micro-batch (dynamic batching packs to it)."""
+    packing: bool = True
+    """Lay several samples end to end in a row (no padding between them); false: one per row."""
     ppo_epochs: int = Field(1, ge=1, le=100)
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1, le=1024)

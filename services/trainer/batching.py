@@ -1,18 +1,33 @@
 """Training samples, their packing into micro-batches by a token budget, and collation.
 
-A micro-batch is right-padded to its longest sequence, so its cost is
+A micro-batch is a few rows, right-padded to its longest row, so its cost is
 ``rows * longest``; packing keeps that under ``trainer.micro_batch_tokens``.
+With ``trainer.packing`` (the default) a row holds several samples end to end,
+each with its own position ids from 0; transformers reads the restarts of the
+position ids as sequence boundaries and masks attention across them
+(``masking_utils.find_packed_sequence_indices``), so a sample sees only itself
+and the rows need almost no padding. Without it a row is one sample, masked by
+``attention_mask``. ``packs_exactly`` checks at load that a model honours packed
+position ids; one that does not is trained a sample per row.
+
 Per-token tensors are aligned with the *targets* (``input_ids[:, 1:]``): the
-logits at position t score token t + 1, so response token j of a sample whose
-prompt has P tokens sits at column P + j - 1.
+logits at column t score token t + 1, so response token j of a sample that
+starts at column c and whose prompt has P tokens sits at column c + P + j - 1.
+The column before the next sample (which would score its first token) is never
+on the mask.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +74,23 @@ class TrainSample:
         return [float(a) for a in self.advantage]
 
 
+PER_TOKEN_FIELDS = ("behaviour", "old", "ref", "advantages", "returns", "old_values", "is_weights", "weights")
+"""Target-aligned float tensors collate fills from each sample's per-response-token values."""
+Pack = list[list[int]]
+"""One micro-batch: its rows, each the indices of the samples laid end to end in it."""
+
+
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """Right-padded tensors of a few samples; target-aligned ones have one column less."""
+    """Right-padded rows of a few samples; target-aligned tensors have one column less."""
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    """Each sample's positions from 0 (the padding after a row's samples counts from 0 too)."""
+    attention_mask: torch.Tensor | None
+    """1 on real tokens for rows of one sample; None for packed rows (the position ids mask them)."""
+    placements: tuple[tuple[int, int], ...]
+    """(row, column of its first token) of each sample, in the order they were given."""
     behaviour_logprobs: torch.Tensor
     old_logprobs: torch.Tensor
     """The trainer's logprobs at the start of the step (behaviour's where a sample has none)."""
@@ -83,6 +109,17 @@ class MicroBatch:
     padded_tokens: int
     """Tokens the forward pass computes: rows x the longest row."""
 
+    def model_inputs(self) -> dict[str, torch.Tensor | bool]:
+        """Keyword arguments of a transformers forward pass over this micro-batch."""
+        inputs: dict[str, torch.Tensor | bool] = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+        }
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
 
 def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped so that ``rows * longest <= token_budget`` in each group.
@@ -93,65 +130,160 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     """
     if token_budget < 1:
         raise ValueError("token_budget must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     groups: list[list[int]] = []
-    longest: list[int] = []  # the first (longest) length of each group
-    for index in order:
-        for slot, members in enumerate(groups):
-            if (len(members) + 1) * longest[slot] <= token_budget:
-                members.append(index)
-                break
-        else:
+    room = numpy.zeros(len(lengths), dtype=numpy.int64)  # rows each group opened so far can still take
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        fits = numpy.flatnonzero(room[: len(groups)] > 0)
+        if fits.size:
+            groups[fits[0]].append(index)
+            room[fits[0]] -= 1
+        else:  # its first member is its longest: it sets the group's width
+            room[len(groups)] = token_budget // max(lengths[index], 1) - 1
             groups.append([index])
-            longest.append(lengths[index])
     return groups
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of at most ``width`` tokens in all (first-fit decreasing);
+    a sequence longer than ``width`` gets a row of its own."""
+    if width < 1:
+        raise ValueError("width must be >= 1")
+    rows: list[list[int]] = []
+    room = numpy.zeros(len(lengths), dtype=numpy.int64)  # free tokens of each row opened so far
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        length = lengths[index]
+        fits = numpy.flatnonzero(room[: len(rows)] >= length)
+        if fits.size:
+            rows[fits[0]].append(index)
+            room[fits[0]] -= length
+        else:
+            room[len(rows)] = width - length
+            rows.append([index])
+    return rows
+
+
+ATTENTION_WIDTH = 1024
+"""Row width at which attention costs about as much per token as the rest of a forward and
+backward pass: on CPU, SmolLM2-135M took 1.76x as long over one row of 1024 tokens as over eight
+rows of 128, so a token in a row of width w costs about 1 + w / 1024."""
+ROW_WIDTHS = tuple(1 + k / 8 for k in range(9))
+"""Row widths ``plan_micro_batches`` tries, as multiples of the longest sample."""
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, packed: bool = True) -> list[Pack]:
+    """The micro-batches of one optimiser step, largest first: each a list of rows of sample indices.
+
+    Packed: samples go end to end into rows (first-fit decreasing), then the rows into
+    micro-batches of ``rows * longest row <= token_budget``. Wider rows leave less padding but
+    make attention dearer (it is quadratic in the row), so rows of 1 to 2 times the longest
+    sample are tried and the plan of the least estimated cost is taken (``ATTENTION_WIDTH``).
+    Not packed: one sample per row, the same grouping.
+    """
+    if not packed or not lengths:
+        return [[[index] for index in group] for group in pack_micro_batches(lengths, token_budget)]
+    longest = max(lengths)
+    widths = sorted({min(round(longest * factor), max(longest, token_budget)) for factor in ROW_WIDTHS})
+    plans = [_packed_plan(lengths, token_budget, width) for width in widths]
+    return min(plans, key=lambda plan: _estimated_cost(lengths, plan))  # the first, narrowest, on ties
+
+
+def _packed_plan(lengths: Sequence[int], token_budget: int, width: int) -> list[Pack]:
+    rows = pack_rows(lengths, width)
+    fills = [sum(lengths[i] for i in row) for row in rows]
+    return [[rows[r] for r in group] for group in pack_micro_batches(fills, token_budget)]
+
+
+def _estimated_cost(lengths: Sequence[int], plan: Sequence[Pack]) -> float:
+    """Token positions computed, padding included, each dearer the wider its micro-batch's rows."""
+    cost = 0.0
+    for pack in plan:
+        width = max(sum(lengths[i] for i in row) for row in pack)
+        cost += len(pack) * width * (1 + width / ATTENTION_WIDTH)
+    return cost
+
+
+def padding_waste(lengths: Sequence[int], packs: Sequence[Pack]) -> float:
+    """Share of the token positions of ``packs`` that are padding: 1 - real / (rows x longest row)."""
+    real = sum(lengths[i] for pack in packs for row in pack for i in row)
+    computed = sum(len(pack) * max(sum(lengths[i] for i in row) for row in pack) for pack in packs if pack)
+    return 1.0 - real / computed if computed else 0.0
+
+
+@torch.no_grad()
+def packs_exactly(model: torch.nn.Module, vocab_size: int, tolerance: float = 1e-3) -> bool:
+    """Whether ``model`` keeps two samples laid end to end in one row apart, given restarting
+    position ids and no attention mask: its outputs for them, packed, equal those of each alone
+    (to ``tolerance`` of their scale). Models that ignore packed position ids fail."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, vocab_size, (n,), generator=generator) for n in (6, 5)]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        alone = [model(input_ids=p[None].to(device), use_cache=False)[0][0].float() for p in parts]
+        packed = model(
+            input_ids=torch.cat(parts)[None].to(device),
+            position_ids=torch.cat([torch.arange(len(p)) for p in parts])[None].to(device),
+            use_cache=False,
+        )[0][0].float()
+    finally:
+        model.train(was_training)
+    expected = torch.cat(alone)
+    scale = float(expected.abs().max()) + 1.0
+    return float((packed - expected).abs().max()) <= tolerance * scale
 
 
 def collate(
     samples: Sequence[TrainSample],
     token_weights: Sequence[float],
     device: torch.device | str,
+    rows: Sequence[Sequence[int]] | None = None,
     pad_token_id: int = 0,
 ) -> MicroBatch:
     """Right-padded tensors of ``samples`` on ``device``; ``token_weights`` holds each
-    sample's aggregation weight per loss token (see losses.sample_token_weights)."""
+    sample's aggregation weight per loss token (see losses.sample_token_weights).
+
+    ``rows`` lays the samples out (indices into ``samples``, each exactly once); None: one
+    sample per row. A row of several samples is packed (see the module's docstring).
+    """
     if not samples or len(samples) != len(token_weights):
         raise ValueError("collate needs one token weight per sample, and at least one sample")
-    width = max(sample.length for sample in samples)
-    rows = len(samples)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    targets = (rows, max(width - 1, 0))
+    layout = [list(row) for row in rows] if rows is not None else [[i] for i in range(len(samples))]
+    if sorted(i for row in layout for i in row) != list(range(len(samples))):
+        raise ValueError("rows must hold every sample exactly once")
+    fills = [sum(samples[i].length for i in row) for row in layout]
+    packed = any(len(row) > 1 for row in layout)
+    width = max(fills)
+    shape = (len(layout), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    targets = (len(layout), max(width - 1, 0))
     per_token = {
         name: torch.full(targets, 1.0 if name == "is_weights" else 0.0, dtype=torch.float32)
-        for name in ("behaviour", "old", "ref", "advantages", "returns", "old_values", "is_weights")
+        for name in PER_TOKEN_FIELDS
     }
     mask = torch.zeros(targets, dtype=torch.bool)
-    weights = torch.zeros(targets, dtype=torch.float32)
-    for row, (sample, weight) in enumerate(zip(samples, token_weights, strict=True)):
-        prompt_len = len(sample.prompt_token_ids)
-        tokens = [*sample.prompt_token_ids, *sample.response_token_ids]
-        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        attention_mask[row, : len(tokens)] = 1
-        span = slice(prompt_len - 1, prompt_len - 1 + len(sample.response_token_ids))
-        values = {
-            "behaviour": sample.behaviour_logprobs,
-            "old": sample.old_logprobs if sample.old_logprobs is not None else sample.behaviour_logprobs,
-            "ref": sample.ref_logprobs,
-            "advantages": sample.token_advantages(),
-            "returns": sample.returns,
-            "old_values": sample.old_values,
-            "is_weights": sample.is_weights,
-        }
-        for name, value in values.items():
-            if value is not None:
-                per_token[name][row, span] = torch.tensor(value, dtype=torch.float32)
-        mask[row, span] = torch.tensor(sample.loss_mask, dtype=torch.bool)
-        weights[row, span] = weight * sample.weight
+    placements: dict[int, tuple[int, int]] = {}
+    for row, members in enumerate(layout):
+        column = 0
+        for index in members:
+            sample, end = samples[index], column + samples[index].length
+            placements[index] = (row, column)
+            input_ids[row, column:end] = torch.tensor(
+                [*sample.prompt_token_ids, *sample.response_token_ids], dtype=torch.long
+            )
+            position_ids[row, column:end] = torch.arange(sample.length)
+            attention_mask[row, column:end] = 1
+            _place_targets(sample, token_weights[index] * sample.weight, (row, column), per_token, mask)
+            column = end
+        position_ids[row, column:] = torch.arange(width - column)
     on = {name: tensor.to(device) for name, tensor in per_token.items()}
     return MicroBatch(
         input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        attention_mask=None if packed else attention_mask.to(device),
+        placements=tuple(placements[i] for i in range(len(samples))),
         behaviour_logprobs=on["behaviour"],
         old_logprobs=on["old"],
         ref_logprobs=on["ref"],
@@ -160,10 +292,61 @@ def collate(
         old_values=on["old_values"],
         is_weights=on["is_weights"],
         mask=mask.to(device),
-        weights=(weights * mask).to(device),
+        weights=(per_token["weights"] * mask).to(device),
         tokens=sum(sample.length for sample in samples),
-        padded_tokens=rows * width,
+        padded_tokens=len(layout) * width,
     )
+
+
+def _place_targets(
+    sample: TrainSample,
+    weight: float,
+    at: tuple[int, int],
+    per_token: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+) -> None:
+    """Write ``sample``'s per-response-token values (``weight`` its token weight) into the target
+    columns of a sample placed ``at`` (row, column of its first token)."""
+    row, column = at
+    response = len(sample.response_token_ids)
+    first = column + len(sample.prompt_token_ids) - 1
+    span = slice(first, first + response)
+    values = {
+        "behaviour": sample.behaviour_logprobs,
+        "old": sample.old_logprobs if sample.old_logprobs is not None else sample.behaviour_logprobs,
+        "ref": sample.ref_logprobs,
+        "advantages": sample.token_advantages(),
+        "returns": sample.returns,
+        "old_values": sample.old_values,
+        "is_weights": sample.is_weights,
+        "weights": [weight] * response,
+    }
+    for name, value in values.items():
+        if value is not None:
+            per_token[name][row, span] = torch.tensor(value, dtype=torch.float32)
+    mask[row, span] = torch.tensor(sample.loss_mask, dtype=torch.bool)
+
+
+def packing_works(model: Any, role: str) -> bool:
+    """Whether ``model`` keeps packed samples apart (batching.packs_exactly); logs when it does not."""
+    if packs_exactly(model, int(model.config.vocab_size)):
+        return True
+    log.warning(
+        "the %s model (%s) mixes samples packed in one row: trained one sample per row instead",
+        role,
+        type(model).__name__,
+    )
+    return False
+
+
+def local_pack(pack: Pack) -> tuple[list[int], list[list[int]]]:
+    """A pack's sample indices in order, and its rows as positions in that list (``collate``'s rows)."""
+    indices = [i for row in pack for i in row]
+    rows, start = [], 0
+    for row in pack:
+        rows.append(list(range(start, start + len(row))))
+        start += len(row)
+    return indices, rows
 
 
 def per_response_token(
@@ -171,16 +354,19 @@ def per_response_token(
     token_budget: int,
     device: torch.device | str,
     forward: Callable[[MicroBatch], torch.Tensor],
+    packed: bool = True,
 ) -> list[list[float]]:
     """``forward``'s target-aligned ``[rows, width - 1]`` output, cut to each sample's response
-    tokens: samples packed to ``token_budget`` and run a micro-batch at a time."""
+    tokens: samples laid out by ``plan_micro_batches`` and run a micro-batch at a time."""
     found: dict[int, list[float]] = {}
-    for pack in pack_micro_batches([s.length for s in samples], token_budget):
-        chunk = [samples[i] for i in pack]
-        values = forward(collate(chunk, [0.0] * len(chunk), device)).detach().float().cpu()
-        for row, (index, sample) in enumerate(zip(pack, chunk, strict=True)):
-            start = len(sample.prompt_token_ids) - 1
-            found[index] = values[row, start : start + len(sample.response_token_ids)].tolist()
+    for pack in plan_micro_batches([s.length for s in samples], token_budget, packed):
+        indices, rows = local_pack(pack)
+        chunk = [samples[i] for i in indices]
+        batch = collate(chunk, [0.0] * len(chunk), device, rows)
+        values = forward(batch).detach().float().cpu()
+        for index, sample, (row, column) in zip(indices, chunk, batch.placements, strict=True):
+            first = column + len(sample.prompt_token_ids) - 1
+            found[index] = values[row, first : first + len(sample.response_token_ids)].tolist()
     return [found[i] for i in range(len(samples))]
 
 

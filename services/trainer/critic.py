@@ -26,7 +26,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.common.config import JobSpec
-from services.trainer.batching import MicroBatch, TrainSample, collate, pack_micro_batches, per_response_token
+from services.trainer.batching import (
+    MicroBatch,
+    TrainSample,
+    collate,
+    local_pack,
+    packing_works,
+    per_response_token,
+    plan_micro_batches,
+)
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
 
 CRITIC_DIR = "critic"
@@ -51,11 +59,14 @@ class CriticStats:
 class Critic:
     """Backbone + scalar head, with its own optimiser."""
 
-    def __init__(self, backbone: Any, head: torch.nn.Linear, spec: JobSpec, device: torch.device) -> None:
+    def __init__(
+        self, backbone: Any, head: torch.nn.Linear, spec: JobSpec, device: torch.device, packed: bool = True
+    ) -> None:
         self.backbone = backbone
         self.head = head
         self.spec = spec
         self.device = device
+        self.packed = packed
         self.parameters = [*backbone.parameters(), *head.parameters()]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=spec.algorithm.critic_learning_rate, weight_decay=spec.trainer.weight_decay
@@ -77,7 +88,8 @@ class Critic:
             head.bias.zero_()
         if (model_dir / HEAD_FILE).is_file():
             head.load_state_dict(load_file(str(model_dir / HEAD_FILE)))
-        return cls(backbone, head.to(device), spec, device)
+        packed = spec.trainer.packing and packing_works(backbone, "critic")
+        return cls(backbone, head.to(device), spec, device, packed)
 
     def save(self, directory: Path) -> None:
         """An HF directory of the backbone plus the head's safetensors."""
@@ -96,9 +108,7 @@ class Critic:
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         """``[rows, width - 1]``: column t is the value of the state before token t + 1."""
         with self._autocast():
-            hidden = self.backbone(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).last_hidden_state
+            hidden = self.backbone(**batch.model_inputs()).last_hidden_state
             values = self.head(hidden).squeeze(-1)
         return values[:, :-1].float()
 
@@ -107,7 +117,7 @@ class Critic:
         """The value before each response token of each sample, under the current weights."""
         self.backbone.eval()
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._values)
+        return per_response_token(samples, budget, self.device, self._values, self.packed)
 
     def optimiser_step(self, samples: Sequence[TrainSample]) -> CriticStats:
         """One step on the clipped value loss, gradients accumulated over packed micro-batches.
@@ -123,8 +133,10 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         loss = clipped = 0.0
         tokens = 0
-        for pack in pack_micro_batches([s.length for s in samples], self.spec.trainer.micro_batch_tokens):
-            batch = collate([samples[i] for i in pack], [weights[i] for i in pack], self.device)
+        budget = self.spec.trainer.micro_batch_tokens
+        for pack in plan_micro_batches([s.length for s in samples], budget, self.packed):
+            indices, rows = local_pack(pack)
+            batch = collate([samples[i] for i in indices], [weights[i] for i in indices], self.device, rows)
             result = value_loss(
                 ValueLossInputs(
                     self._values(batch), batch.old_values, batch.returns, batch.mask, batch.weights

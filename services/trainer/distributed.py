@@ -77,7 +77,10 @@ def size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def share_of(packs: list[list[int]]) -> list[tuple[list[int], bool]]:
+P = TypeVar("P")
+
+
+def share_of(packs: list[P]) -> list[tuple[P, bool]]:
     """This rank's micro-batches of an optimiser step, each with whether it is real.
 
     Rank r takes packs r, r + size, ... (the packs come largest first, so the shares
@@ -89,7 +92,9 @@ def share_of(packs: list[list[int]]) -> list[tuple[list[int], bool]]:
     world, me = size(), rank()
     mine = [(pack, True) for pack in packs[me::world]]
     passes = -(-len(packs) // world)
-    filler = (mine[-1][0] if mine else packs[-1]) if packs else []
+    if not packs:
+        return []
+    filler = mine[-1][0] if mine else packs[-1]
     return mine + [(filler, False)] * (passes - len(mine))
 
 

@@ -90,13 +90,15 @@ def micro_batch_loss(
             )
             totals.kl_loss += float(term.detach())
             loss = loss + term
-    with torch.set_grad_enabled(algorithm.entropy_coef > 0 and torch.is_grad_enabled()):
+    if algorithm.entropy_coef > 0:
         entropy = token_entropy(logits[:, :-1].float())
         totals.entropy += _token_sum(entropy, mask)
-        if algorithm.entropy_coef > 0:
-            term = entropy_bonus(entropy, mask, batch.weights, algorithm.entropy_coef)
-            totals.entropy_loss += float(term.detach())
-            loss = loss + term
+        term = entropy_bonus(entropy, mask, batch.weights, algorithm.entropy_coef)
+        totals.entropy_loss += float(term.detach())
+        loss = loss + term
+    else:  # only logged: over the loss tokens alone, without a graph (a pass over the vocabulary each)
+        with torch.no_grad():
+            totals.entropy += float(token_entropy(logits[:, :-1][mask].float()).sum())
     totals.loss += float(loss.detach())
     totals.tokens += batch.tokens
     totals.padded_tokens += batch.padded_tokens

@@ -28,8 +28,10 @@ from services.trainer.batching import (
     MicroBatch,
     TrainSample,
     collate,
-    pack_micro_batches,
+    local_pack,
+    packing_works,
     per_response_token,
+    plan_micro_batches,
     token_logprobs,
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
@@ -216,10 +218,12 @@ def _restore_training_state(engine: Any, state: Path, zero_stage: int) -> None:
 class Policy:
     """A DeepSpeed-wrapped causal LM with its tokenizer."""
 
-    def __init__(self, engine: Any, tokenizer: Any, spec: JobSpec) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, spec: JobSpec, packed: bool = True) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.spec = spec
+        self.packed = packed
+        """Several samples per row (trainer.packing, and the model keeps them apart)."""
         self.device = torch.device(engine.device)
         self.loss_fn = get_policy_loss(spec.algorithm.policy_loss)
 
@@ -259,6 +263,7 @@ class Policy:
         torch.manual_seed(spec.seed)
         # fp32 master weights; DeepSpeed casts the module itself when bf16 or fp16 is on.
         model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust).float()
+        packed = trainer.packing and packing_works(model, "policy")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -270,7 +275,7 @@ class Policy:
         )
         if training_state is not None:
             _restore_training_state(engine, training_state, trainer.zero_stage)
-        return cls(engine, tokenizer, spec)
+        return cls(engine, tokenizer, spec, packed)
 
     def optimise(self, samples: Sequence[TrainSample], seed: int, critic: Critic | None = None) -> StepStats:
         """``ppo_epochs`` passes over the samples, each split into ``mini_batches`` optimiser steps
@@ -299,18 +304,20 @@ class Policy:
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
         # With several ranks each runs its share of the packs (services/trainer/distributed.py).
+        lengths = [s.length for s in samples]
         packs = distributed.share_of(
-            pack_micro_batches([s.length for s in samples], self.spec.trainer.micro_batch_tokens)
+            plan_micro_batches(lengths, self.spec.trainer.micro_batch_tokens, self.packed)
         )
         self.engine.train()
         totals = Totals()
         for index, (pack, real) in enumerate(packs):
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
-            batch = collate([samples[i] for i in pack], [weights[i] * scale for i in pack], self.device)
+            indices, rows = local_pack(pack)
+            batch = collate(
+                [samples[i] for i in indices], [weights[i] * scale for i in indices], self.device, rows
+            )
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
-            logits = self.engine(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
+            logits = self.engine(**batch.model_inputs()).logits
             loss = micro_batch_loss(logits, batch, algorithm, self.loss_fn, totals if real else Totals())
             self.engine.backward(loss * distributed.gradient_scale(), scale_wrt_gas=False)
         own_norm = self._gradient_norm() if self.spec.trainer.zero_stage == 0 else None
@@ -331,13 +338,10 @@ class Policy:
         """log p of each response token of each sample under the current weights."""
         self.engine.eval()
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._token_logprobs)
+        return per_response_token(samples, budget, self.device, self._token_logprobs, self.packed)
 
     def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        logits = self.engine(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).logits
-        return token_logprobs(logits, batch.input_ids)
+        return token_logprobs(self.engine(**batch.model_inputs()).logits, batch.input_ids)
 
     def save(self, directory: Path, training_state: bool = True) -> None:
         """An HF-loadable directory: one model.safetensors, config, tokenizer files; with

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from services.common.config import JobSpec
-from services.trainer.batching import MicroBatch, TrainSample, per_response_token, token_logprobs
+from services.trainer.batching import (
+    MicroBatch,
+    TrainSample,
+    packing_works,
+    per_response_token,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +33,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ReferenceModel:
     """A causal LM that is never trained: log p of response tokens under the base model."""
 
-    def __init__(self, model: Any, spec: JobSpec, device: torch.device) -> None:
+    def __init__(self, model: Any, spec: JobSpec, device: torch.device, packed: bool = True) -> None:
         self.model = model
         self.spec = spec
         self.device = device
+        self.packed = packed
 
     @classmethod
     def load(cls, spec: JobSpec, model_dir: Path, device: torch.device) -> ReferenceModel:
@@ -42,19 +49,16 @@ class ReferenceModel:
         model.to(device).eval()
         model.requires_grad_(False)
         log.info("reference model loaded from %s (%s)", model_dir, spec.model.dtype)
-        return cls(model, spec, device)
+        return cls(model, spec, device, spec.trainer.packing and packing_works(model, "reference"))
 
     @torch.no_grad()
     def response_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """log p of each response token of each sample under the reference weights."""
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._logprobs)
+        return per_response_token(samples, budget, self.device, self._logprobs, self.packed)
 
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).logits
-        return token_logprobs(logits, batch.input_ids)
+        return token_logprobs(self.model(**batch.model_inputs()).logits, batch.input_ids)
 
     def close(self) -> None:
         self.model = None

@@ -24,7 +24,7 @@ from services.common.pb import common_pb2
 from services.common.redis_server import free_port
 from services.common.streams import JOBS, JobStreams
 from services.trainer import distributed
-from services.trainer.batching import pack_micro_batches
+from services.trainer.batching import plan_micro_batches
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from services.trainer.policy import Policy, deepspeed_config, init_distributed, learning_rate_schedule
@@ -259,7 +259,7 @@ def test_two_ranks_of_zero_2_train_as_one_process_does(
     model_dir: Path, tmp_path: Path, python: str, python_env: dict[str, str]
 ) -> None:
     lengths = [sample.length for sample in fixed_batch()]
-    assert len(pack_micro_batches(lengths, 28)) % 2 == 1  # so one rank runs a padding pass
+    assert len(plan_micro_batches(lengths, 28)) % 2 == 1  # so one rank runs a padding pass
     script = [str(SCRIPT), "--model", str(model_dir), "--zero-stage", "2", "--steps", "2"]
     runs = {
         1: subprocess.Popen([python, *script, "--out", str(tmp_path / "one.json")], **pipes(python_env)),
