@@ -203,8 +203,8 @@ class TrainerConfig(Section):
     """Learning-rate schedule after warm-up."""
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     """Gradient clipping norm; null disables clipping."""
-    zero_stage: int = Field(1, ge=0, le=3)
-    """DeepSpeed ZeRO stage."""
+    zero_stage: int | None = Field(None, ge=0, le=3)
+    """DeepSpeed ZeRO stage; null: 1 with several trainer processes, 0 with one (nothing to partition)."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one micro-batch (dynamic batching packs to it)."""
     packing: bool = True
