@@ -26,7 +26,13 @@ from services.common.config import AlgorithmConfig
 from services.trainer.batching import MicroBatch, token_logprobs
 from services.trainer.critic import CriticStats
 from services.trainer.losses import PolicyLossFn, PolicyLossInputs
-from services.trainer.regularizers import entropy_bonus, get_kl_estimator, kl_loss, token_entropy
+from services.trainer.regularizers import (
+    entropy_bonus,
+    get_kl_estimator,
+    kl_loss,
+    masked_entropy_sum,
+    token_entropy,
+)
 
 
 def optimiser_step_plan(count: int, epochs: int, mini_batches: int, seed: int) -> list[list[int]]:
@@ -96,9 +102,8 @@ def micro_batch_loss(
         term = entropy_bonus(entropy, mask, batch.weights, algorithm.entropy_coef)
         totals.entropy_loss += float(term.detach())
         loss = loss + term
-    else:  # only logged: over the loss tokens alone, without a graph (a pass over the vocabulary each)
-        with torch.no_grad():
-            totals.entropy += float(token_entropy(logits[:, :-1][mask].float()).sum())
+    else:  # only logged: over the loss tokens alone, without a graph
+        totals.entropy += masked_entropy_sum(logits[:, :-1], mask)
     totals.loss += float(loss.detach())
     totals.tokens += batch.tokens
     totals.padded_tokens += batch.padded_tokens

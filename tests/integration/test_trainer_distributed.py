@@ -82,7 +82,9 @@ def test_the_zero_stage_and_clipping_come_from_the_trainer_section(stage: int) -
     assert config(max_grad_norm=None)["gradient_clipping"] == 0.0
 
 
-def test_the_default_zero_stage_is_0_alone_and_1_with_several_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_zero_stage_is_0_alone_and_1_with_several_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert TrainerConfig().zero_stage is None
     assert config()["zero_optimization"] == {"stage": 0}
     monkeypatch.setattr(distributed, "size", lambda: 2)
