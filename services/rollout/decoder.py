@@ -181,8 +181,12 @@ class SlotDecoder:
             ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         targets = torch.tensor([s for group in slots for s in group], device=self.device)
         sources = torch.tensor([i for i, group in enumerate(slots) for _ in group], device=self.device)
-        cos, sin = self.cos[:width], self.sin[:width]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return self._run(self._prefill_step, ids.to(self.device), targets, sources, last)
 
+    def _prefill_step(self, ids: Tensor, targets: Tensor, sources: Tensor, last: Tensor) -> Tensor:
+        rows, width = ids.shape
+        cos, sin = self.cos[:width], self.sin[:width]
         future = torch.ones((width, width), dtype=torch.bool, device=self.device).triu(1)  # causal mask
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -192,16 +196,15 @@ class SlotDecoder:
                 gqa = self.heads != self.kv_heads
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             # short prompts on a CPU: batched matmuls beat SDPA's kernel, as in decode
-            rows, group = q.shape[0], self.heads // self.kv_heads
+            group = self.heads // self.kv_heads
             q = q.reshape(rows, self.kv_heads, group, width, self.head_dim)
             scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
             scores.masked_fill_(future, -torch.inf)
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.matmul(weights, v.unsqueeze(2)).reshape(rows, self.heads, width, self.head_dim)
 
-        hidden = self._layers(self.embed(ids.to(self.device)), cos, sin, attend)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        hidden = hidden[torch.arange(len(prompts), device=self.device), last]
+        hidden = self._layers(self.embed(ids), cos, sin, attend)
+        hidden = hidden[torch.arange(rows, device=self.device), last]
         return self._logits(hidden)
 
     @torch.inference_mode()
@@ -239,7 +242,7 @@ class SlotDecoder:
             try:
                 return compiled(*args)
             except Exception as err:  # e.g. no C++ compiler for inductor: the eager step is the same
-                log.warning("torch.compile of the decode step failed, decoding eagerly: %s", err)
+                log.warning("torch.compile of %s failed, running it eagerly: %s", step.__name__, err)
                 self._compile = False
         return step(*args)
 

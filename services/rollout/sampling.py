@@ -109,6 +109,8 @@ class BatchSampler:
         self.min_p = torch.zeros(capacity, dtype=torch.float32, device=device)
         self.greedy = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.configs: list[SamplingConfig | None] = [None] * capacity
+        self.filters: list[bool] = [False] * capacity
+        """Whether each slot's sample filters its distribution (top-k, top-p or min-p)."""
         self.streams: list[random.Random | None] = [None] * capacity
         self._shared = random.Random(torch.initial_seed())
         """Where unseeded rows draw from (seeded once from torch's global seed)."""
@@ -126,6 +128,7 @@ class BatchSampler:
         """Give slots start, start+1, ... the settings and random streams of these samples."""
         end = start + len(configs)
         self.configs[start:end] = configs
+        self.filters[start:end] = [c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0 for c in configs]
         self.streams[start:end] = [None if seed is None else random.Random(seed) for seed in seeds]
         greedy = [c.greedy for c in configs]
         self.greedy[start:end] = torch.tensor(greedy)
@@ -140,6 +143,7 @@ class BatchSampler:
             values[targets] = values[sources]
         for source, target in zip(sources, targets, strict=True):
             self.configs[target] = self.configs[source]
+            self.filters[target] = self.filters[source]
             self.streams[target] = self.streams[source]
 
     def select(self, rows: torch.Tensor) -> None:
@@ -151,6 +155,7 @@ class BatchSampler:
         self.min_p = self.min_p[rows]
         kept = rows.tolist()
         self.configs = [self.configs[i] for i in kept]
+        self.filters = [self.filters[i] for i in kept]
         self.streams = [self.streams[i] for i in kept]
 
     def sample(
@@ -176,7 +181,7 @@ class BatchSampler:
         """(temperature, uniform, greedy) of slots start..start+count-1 for ``sample_unfiltered``,
         or None when a row filters (top-k, top-p, min-p). Draws each row's uniform number."""
         rows = slice(start, start + count)
-        if any(c is not None and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0) for c in self.configs[rows]):
+        if any(self.filters[rows]):
             return None
         return self.temperature[rows], self._uniforms(rows, active), self.greedy[rows]
 
@@ -186,12 +191,14 @@ class BatchSampler:
         The streams are Python ``random.Random`` (Mersenne Twister): one draw per row costs
         ~0.1 us on the host, where a torch draw per row costs a kernel launch each.
         """
-        values = []
-        for row, stream in enumerate(self.streams[rows]):
-            if stream is not None and (active is None or active[row]):
-                values.append(stream.random())
-            else:
-                values.append(self._shared.random())
+        shared = self._shared
+        if active is None:  # every step of the running batch: keep it a plain comprehension
+            values = [(stream or shared).random() for stream in self.streams[rows]]
+        else:
+            values = [
+                (stream if stream is not None and live else shared).random()
+                for stream, live in zip(self.streams[rows], active, strict=True)
+            ]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def _filter(self, scaled: torch.Tensor, rows: slice) -> torch.Tensor:

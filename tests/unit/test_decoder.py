@@ -102,16 +102,23 @@ def test_unsupported_models_are_named() -> None:
         SlotDecoder(build("llama"), slots=1, max_positions=512).reserve(513)
 
 
-@pytest.mark.slow  # inductor compiles the step: ~25 s on two cores
-def test_the_compiled_decode_step_matches_the_eager_one() -> None:
-    """torch.compile (inductor) of the step: the same logits, for changing batch sizes and lengths."""
+@pytest.mark.slow  # inductor compiles the steps: ~40 s on two cores
+def test_the_compiled_prefill_and_decode_steps_match_the_eager_ones() -> None:
+    """torch.compile (inductor) of the steps: the same logits and cache, for changing batch sizes
+    and lengths."""
     model = build("llama")
     eager = SlotDecoder(model, slots=4, max_positions=512)
     compiled = SlotDecoder(model, slots=4, max_positions=512, compile_step=True)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18]]
     for decoder in (eager, compiled):
         decoder.reserve(32)
-        decoder.prefill(prompts, [[0], [1], [2]])
+    first = ([[1, 2], [3, 4, 4, 5, 6]], [[0, 1], [2]])  # one prompt with two samples
+    second = ([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18]], [[0], [1], [2]])
+    for prompts, slots in (first, second):  # another batch size and width: the same graph
+        want, got = eager.prefill(prompts, slots), compiled.prefill(prompts, slots)
+        assert torch.allclose(got, want, atol=1e-5)
+        for ours, theirs in zip(compiled.keys + compiled.values, eager.keys + eager.values, strict=True):
+            assert torch.allclose(ours[:3, :, :7], theirs[:3, :, :7], atol=1e-5)
+    assert "_prefill_step" in compiled._compiled  # the prefill ran compiled
     tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([7, 3, 4])
     for step in range(6):
         live = 3 - step % 2  # the batch shrinks and grows, as in a continuous batch
