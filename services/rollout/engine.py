@@ -29,7 +29,7 @@ import torch
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.continuous import ContinuousBatch, record_tokens
-from services.rollout.decoder import unsupported_reason
+from services.rollout.decoder import freeze_long_lived_objects, unsupported_reason
 from services.rollout.requests import (
     Completion,
     EngineStatus,
@@ -315,6 +315,8 @@ class TorchEngine:
             )
             update.done.set()
             return
+        if update.model is not None:
+            freeze_long_lived_objects()  # a new model lives until the next one
         with self._cond:
             self._loaded = new_model
             self._version = update.version

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import (
@@ -119,6 +121,7 @@ def test_the_compiled_prefill_and_decode_steps_match_the_eager_ones() -> None:
         for ours, theirs in zip(compiled.keys + compiled.values, eager.keys + eager.values, strict=True):
             assert torch.allclose(ours[:3, :, :7], theirs[:3, :, :7], atol=1e-5)
     assert "_prefill_step" in compiled._compiled  # the prefill ran compiled
+    assert gc.get_freeze_count() > 0  # and its graphs were put out of the collector's reach
     tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([7, 3, 4])
     for step in range(6):
         live = 3 - step % 2  # the batch shrinks and grows, as in a continuous batch
