@@ -26,8 +26,7 @@ from services.trainer.batching import (
     MicroBatch,
     Pack,
     TrainSample,
-    collate,
-    local_pack,
+    collate_pack,
     per_response_token,
     token_logprobs,
 )
@@ -204,8 +203,7 @@ class PlainSide:
         self.model.train()
         loss, tokens, padded = 0.0, 0, 0
         for pack in packs:
-            indices, rows = local_pack(pack)
-            batch = collate([samples[i] for i in indices], [weights[i] for i in indices], CPU, rows)
+            batch = collate_pack(samples, weights, pack, CPU)
             logits = self.model(**batch.model_inputs()).logits
             logprobs = token_logprobs(logits, batch.input_ids)
             inputs = PolicyLossInputs(

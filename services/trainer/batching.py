@@ -339,14 +339,17 @@ def packing_works(model: Any, role: str) -> bool:
     return False
 
 
-def local_pack(pack: Pack) -> tuple[list[int], list[list[int]]]:
-    """A pack's sample indices in order, and its rows as positions in that list (``collate``'s rows)."""
-    indices = [i for row in pack for i in row]
-    rows, start = [], 0
+def collate_pack(
+    samples: Sequence[TrainSample], token_weights: Sequence[float], pack: Pack, device: torch.device | str
+) -> MicroBatch:
+    """``collate`` of one micro-batch of ``plan_micro_batches``: ``pack``'s rows index into
+    ``samples`` and ``token_weights`` (a whole step's); its placements follow the pack's rows."""
+    indices, rows, start = [], [], 0
     for row in pack:
+        indices.extend(row)
         rows.append(list(range(start, start + len(row))))
         start += len(row)
-    return indices, rows
+    return collate([samples[i] for i in indices], [token_weights[i] for i in indices], device, rows)
 
 
 def per_response_token(
@@ -359,12 +362,13 @@ def per_response_token(
     """``forward``'s target-aligned ``[rows, width - 1]`` output, cut to each sample's response
     tokens: samples laid out by ``plan_micro_batches`` and run a micro-batch at a time."""
     found: dict[int, list[float]] = {}
+    unweighted = [0.0] * len(samples)
     for pack in plan_micro_batches([s.length for s in samples], token_budget, packed):
-        indices, rows = local_pack(pack)
-        chunk = [samples[i] for i in indices]
-        batch = collate(chunk, [0.0] * len(chunk), device, rows)
+        batch = collate_pack(samples, unweighted, pack, device)
         values = forward(batch).detach().float().cpu()
-        for index, sample, (row, column) in zip(indices, chunk, batch.placements, strict=True):
+        indices = [i for row in pack for i in row]
+        for index, (row, column) in zip(indices, batch.placements, strict=True):
+            sample = samples[index]
             first = column + len(sample.prompt_token_ids) - 1
             found[index] = values[row, first : first + len(sample.response_token_ids)].tolist()
     return [found[i] for i in range(len(samples))]

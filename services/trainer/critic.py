@@ -29,8 +29,7 @@ from services.common.config import JobSpec
 from services.trainer.batching import (
     MicroBatch,
     TrainSample,
-    collate,
-    local_pack,
+    collate_pack,
     packing_works,
     per_response_token,
     plan_micro_batches,
@@ -135,8 +134,7 @@ class Critic:
         tokens = 0
         budget = self.spec.trainer.micro_batch_tokens
         for pack in plan_micro_batches([s.length for s in samples], budget, self.packed):
-            indices, rows = local_pack(pack)
-            batch = collate([samples[i] for i in indices], [weights[i] for i in indices], self.device, rows)
+            batch = collate_pack(samples, weights, pack, self.device)
             result = value_loss(
                 ValueLossInputs(
                     self._values(batch), batch.old_values, batch.returns, batch.mask, batch.weights

@@ -27,8 +27,7 @@ from services.trainer import distributed
 from services.trainer.batching import (
     MicroBatch,
     TrainSample,
-    collate,
-    local_pack,
+    collate_pack,
     packing_works,
     per_response_token,
     plan_micro_batches,
@@ -322,10 +321,7 @@ class Policy:
         totals = Totals()
         for index, (pack, real) in enumerate(packs):
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
-            indices, rows = local_pack(pack)
-            batch = collate(
-                [samples[i] for i in indices], [weights[i] * scale for i in indices], self.device, rows
-            )
+            batch = collate_pack(samples, [w * scale for w in weights], pack, self.device)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
             logits = self.engine(**batch.model_inputs()).logits
             loss = micro_batch_loss(logits, batch, algorithm, self.loss_fn, totals if real else Totals())

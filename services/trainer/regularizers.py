@@ -108,13 +108,12 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, rows: int = 32)
     ``[...]``), without a graph, ``rows`` positions at a time: with a large vocabulary each chunk
     stays in cache, about 5x faster than one pass over them all. For logging the entropy."""
     where = mask.nonzero(as_tuple=True)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     for start in range(0, int(where[0].numel()), rows):
-        chunk = logits[tuple(index[start : start + rows] for index in where)]
-        chunk = chunk.to(torch.promote_types(chunk.dtype, torch.float32))  # bf16 up, fp64 kept
+        chunk = logits[tuple(index[start : start + rows] for index in where)].to(total.dtype)  # bf16 up
         log_p = torch.log_softmax(chunk, dim=-1)
-        total -= float((log_p.exp() * log_p).sum())
-    return total
+        total -= (log_p.exp() * log_p).sum()
+    return float(total)  # one device sync, not one per chunk
 
 
 def entropy_bonus(

@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 from services.trainer.batching import (
     TrainSample,
     collate,
-    local_pack,
+    collate_pack,
     packing_works,
     packs_exactly,
     padding_waste,
@@ -126,8 +126,7 @@ def test_packed_and_padded_micro_batches_give_the_same_gradient() -> None:
     def gradient(packed: bool) -> list[torch.Tensor]:
         model = build("llama").train()
         for pack in plan_micro_batches([s.length for s in samples], 96, packed):
-            indices, rows = local_pack(pack)
-            batch = collate([samples[i] for i in indices], [weights[i] for i in indices], "cpu", rows)
+            batch = collate_pack(samples, weights, pack, "cpu")
             logprobs = token_logprobs(model(**batch.model_inputs()).logits, batch.input_ids)
             (-(logprobs * batch.advantages * batch.weights).sum()).backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
