@@ -42,7 +42,7 @@ class EngineSettings(ServiceSettings):
     the running batch at every step; a longer prompt is prefilled alone)."""
     compile_decode: bool = False
     """torch.compile the fast path's prefill and decode steps (inductor; on a CPU it needs a C++
-    compiler): 25-35% faster steps for small models, after one-off compiles of ~30 s per process."""
+    compiler): runs 1.2-1.9x as fast for small models, after one-off compiles of ~30 s per process."""
     weight_update_mode: str = Field("continue", pattern=r"^(continue|abort)$")
     """What a new checkpoint does to samples in flight: continue under the new weights (each
     token records its version) or abort them, returning their tokens for partial rollout."""

@@ -42,7 +42,7 @@ from services.rollout.requests import (
     WrongJobError,
     validate_request,
 )
-from services.rollout.torch_backend import LoadedModel, decode_batch, load_model
+from services.rollout.torch_backend import LoadedModel, decode_batch, load_model, serial_torch
 from services.rollout.weights import (
     CheckpointError,
     copy_into_model,
@@ -88,6 +88,8 @@ class TorchEngine:
         self.batch_wait_s = batch_wait_s
         self.max_prefill_tokens = max_prefill_tokens
         self.compile_decode = compile_decode
+        self.threads = torch.get_num_threads()
+        """Torch threads of the worker, which alone runs parallel torch ops (see serial_torch)."""
         self._batch: ContinuousBatch | None = None
         """The running batch of the fast path (worker thread only); None when idle or static."""
         self._static_model: LoadedModel | None = None
@@ -242,7 +244,8 @@ class TorchEngine:
         with self._cond:
             self._loading += 1
         try:
-            update = self._prepare(path, sha256=sha256, version=version, job_id=job_id, mode=mode)
+            with serial_torch():  # off the worker: its team of OpenMP threads must stay the only one
+                update = self._prepare(path, sha256=sha256, version=version, job_id=job_id, mode=mode)
             with self._cond:
                 if self._stopping:
                     raise EngineStoppedError("engine is shutting down")
@@ -328,6 +331,7 @@ class TorchEngine:
     # -- the worker ----------------------------------------------------------
 
     def _work(self) -> None:
+        torch.set_num_threads(self.threads)
         try:
             self._work_until_stopped()
         except Exception:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,6 +59,25 @@ def _token_ids(value: object) -> set[int]:
     if isinstance(value, int):
         return {value}
     return {int(v) for v in value}  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def serial_torch() -> Iterator[None]:
+    """Run this thread's torch ops on one core: for torch work off the engine's worker thread.
+
+    Under OpenMP (torch's CPU backend), every thread that runs a parallel op gets a team of
+    threads of its own. Once the teams' threads outnumber the cores, libgomp stops spinning
+    between parallel regions and puts idle threads to sleep, for good, so every kernel of the
+    worker's decode step waits for a wake-up: a demo decode run took 2.3x as long after one
+    512x512 torch.mm on another thread. Loading weights on one thread leaves the worker's team
+    the only one. (The thread count is per thread under OpenMP; the worker sets its own.)
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:

@@ -173,3 +173,50 @@ def test_a_model_the_slot_decoder_does_not_know_runs_in_static_batches(engine_fo
     for result, want in zip(results, expected, strict=True):
         assert result.completions[0].logprobs == pytest.approx(want, abs=1e-4)
     assert engine._batch is None  # the static path served it
+
+
+def test_weights_load_on_one_thread_and_the_worker_keeps_its_own(
+    engine_for, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Torch work off the worker (reading a checkpoint) runs on one core, so that the worker's
+    OpenMP team stays the only one (see torch_backend.serial_torch); the worker keeps the
+    thread count the engine was made with."""
+    import services.rollout.engine as engine_module
+
+    threads_seen: dict[str, int] = {}
+    for name in ("load_model", "read_verified_state_dict"):
+        original = getattr(engine_module, name)
+
+        def recording(*args: object, _original=original, _name=name, **kwargs: object) -> object:
+            threads_seen[_name] = torch.get_num_threads()
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(engine_module, name, recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = gqa_llama()
+        engine = engine_for(model)  # a new architecture: load_model
+        assert engine.threads == 2
+        path = tmp_path / "same"
+        model.save_pretrained(path, safe_serialization=True)
+        engine.load_checkpoint(
+            path, sha256=file_sha256(path / WEIGHTS_FILE), version=1, job_id="job",
+            mode=rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE, timeout_s=30,
+        )  # fmt: skip
+        assert torch.get_num_threads() == 2  # the caller's count came back
+        config = sampling(temperature=1.0, max_new_tokens=3, seed=1, ignore_eos=True)
+        worker_threads: list[int] = []
+        collected = Collected()
+        collected.expected = 1
+
+        def on_completion(completion: Completion) -> None:
+            worker_threads.append(torch.get_num_threads())
+            collected(completion)
+
+        engine.submit(GenerationRequest("threads", [1, 5, 6], config, on_completion))
+        assert collected.done.wait(10)
+    finally:
+        torch.set_num_threads(before)
+    assert threads_seen == {"load_model": 1, "read_verified_state_dict": 1}
+    assert worker_threads == [2]
