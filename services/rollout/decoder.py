@@ -111,7 +111,7 @@ def _static_shape(*tensors: Tensor | None, dims: tuple[int, ...] | None = None) 
 
     The steps compile with dynamic shapes, so that batch sizes and lengths share one graph. Left
     at that, weight and head sizes would be symbolic too, and inductor's loops over them would
-    use masked loads; fixed, they vectorize: 30-40% off a small model's decode step on a CPU.
+    use masked loads; fixed, they vectorize (a demo decode run on a CPU: ~75 ms against ~117).
     """
     for tensor in tensors:
         if tensor is None:
