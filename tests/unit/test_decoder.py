@@ -179,3 +179,11 @@ def test_decode_and_sample_compiled_draws_what_eager_draws() -> None:
         assert compiled._compile and torch.equal(got[0], want[0])
         assert torch.allclose(got[1], want[1], atol=1e-5)
         tokens, positions = want[0], positions + 1
+    # The graph was built with the batch equal to the slot count; a smaller batch must not need
+    # another (a recompile here raises, and the decoder would fall back to eager).
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        draw = (temperature[:2], torch.rand(2, generator=torch.Generator().manual_seed(9)), greedy[:2])
+        span = int(positions[:2].max()) + 1
+        want = eager.decode_and_sample(tokens[:2], positions[:2], span, draw)
+        got = compiled.decode_and_sample(tokens[:2], positions[:2], span, draw)
+    assert compiled._compile and torch.equal(got[0], want[0])
