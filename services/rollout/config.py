@@ -41,8 +41,9 @@ class EngineSettings(ServiceSettings):
     """Most prompt tokens prefilled in one step while other samples decode (new samples join
     the running batch at every step; a longer prompt is prefilled alone)."""
     compile_decode: bool = False
-    """torch.compile the fast path's prefill and decode steps (inductor; on a CPU it needs a C++
-    compiler): runs 1.2-1.9x as fast for small models, after one-off compiles of ~30 s per process."""
+    """Compile the fast path's prefill and decode steps with inductor (on a CPU, the decode step
+    ahead of time with AOTInductor; either needs a C++ compiler there): small models run faster
+    after one-off compiles of ~15-40 s per process."""
     weight_update_mode: str = Field("continue", pattern=r"^(continue|abort)$")
     """What a new checkpoint does to samples in flight: continue under the new weights (each
     token records its version) or abort them, returning their tokens for partial rollout."""

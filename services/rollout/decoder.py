@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
+from services.rollout.aot import AotStep
 from services.rollout.sampling import sample_unfiltered
 
 log = logging.getLogger(__name__)
@@ -71,12 +74,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm: normalise in float32, cast back, then scale."""
-    eps = norm.variance_epsilon
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,88 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
             linear.bias.data = bias[start : start + rows]
         start += rows
     return weight, bias
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors: the HF modules' parameters, or fused tensors they are views of."""
+
+    input_norm: Tensor
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    post_norm: Tensor
+    gate_up: Tensor
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+
+class Frame(NamedTuple):
+    """Every tensor a step reads besides its own inputs.
+
+    The steps take it as an argument rather than reading the decoder's attributes, so that a
+    compiled step sees weights and caches as inputs, never as constants baked into it: an
+    in-place weight update, or a cache grown to a new length, is what the next call reads.
+    """
+
+    embed: Tensor
+    layers: tuple[LayerWeights, ...]
+    final_norm: Tensor
+    lm_head: Tensor
+    lm_head_bias: Tensor | None
+    cos: Tensor
+    sin: Tensor
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerConstants:
+    """One layer's numbers that are not tensors (read once from its modules)."""
+
+    input_eps: float
+    post_eps: float
+    qk_eps: float | None
+    """The per-head query/key norm's epsilon (qwen3), or None when the layer has none."""
+    scaling: float
+    act: Any
+    """The MLP's activation (transformers' ACT2FN module)."""
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> LayerConstants:
+        attention = layer.self_attn
+        q_norm = getattr(attention, "q_norm", None)
+        return cls(
+            input_eps=float(layer.input_layernorm.variance_epsilon),
+            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+            qk_eps=None if q_norm is None else float(q_norm.variance_epsilon),
+            scaling=float(attention.scaling),
+            act=layer.mlp.act_fn,
+        )
+
+
+def _layer_weights(
+    layer: torch.nn.Module, qkv: tuple[Tensor, Tensor | None], gate_up: tuple[Tensor, Tensor | None]
+) -> LayerWeights:
+    attention, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=qkv[0],
+        qkv_bias=qkv[1],
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+        o=attention.o_proj.weight,
+        o_bias=attention.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=gate_up[0],
+        gate_up_bias=gate_up[1],
+        down=mlp.down_proj.weight,
+        down_bias=mlp.down_proj.bias,
+    )
 
 
 def _static_shape(*tensors: Tensor | None, dims: tuple[int, ...] | None = None) -> None:
@@ -143,29 +227,44 @@ class SlotDecoder:
             raise ValueError(f"the slot decoder cannot run this model: {reason}")
         self.model = model
         body = model.model
-        self.embed = body.embed_tokens
-        self.layers = list(body.layers)
-        self.final_norm = body.norm
-        self.lm_head = model.lm_head
-        first = self.layers[0].self_attn
+        layers = list(body.layers)
+        first = layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.heads = first.q_proj.out_features // self.head_dim
         self.kv_heads = first.k_proj.out_features // self.head_dim
-        self.qkv = [_fuse([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in self.layers)]
-        self.gate_up = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers]
+        self.constants = [LayerConstants.of(layer) for layer in layers]
+        self.final_eps = float(body.norm.variance_epsilon)
+        qkv = [_fuse([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in layers)]
+        gate_up = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in layers]
+        for weight, bias in (*qkv, *gate_up):
+            _static_shape(weight, bias)
+        self.weights = (
+            body.embed_tokens.weight,
+            tuple(_layer_weights(*parts) for parts in zip(layers, qkv, gate_up, strict=True)),
+            body.norm.weight,
+            model.lm_head.weight,
+            model.lm_head.bias,
+        )
+        """Frame's first five fields: the model's tensors, fixed for the decoder's life."""
         self.slots = slots
         self.max_positions = max_positions or 1 << 20
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.length = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.cos = self.sin = torch.empty(0)
+        self.frame = Frame(*self.weights, torch.empty(0), torch.empty(0), (), ())
+        self.position_ids = torch.empty(0, dtype=torch.long)
+        """0..length-1 (a step's span is a prefix of it)."""
         self._compile = compile_step
-        """torch.compile the steps: one graph each for every batch size and length (dynamic shapes)."""
+        """Compile the steps: one graph each for every batch size and length (dynamic shapes)."""
         self._compiled: dict[str, Any] = {}
-        for weight, bias in (*self.qkv, *self.gate_up):
-            _static_shape(weight, bias)
+
+    @property
+    def keys(self) -> tuple[Tensor, ...]:
+        return self.frame.keys
+
+    @property
+    def values(self) -> tuple[Tensor, ...]:
+        return self.frame.values
 
     # -- cache -----------------------------------------------------------------
 
@@ -177,21 +276,24 @@ class SlotDecoder:
             raise ValueError(f"{length} positions exceed the model's {self.max_positions}")
         new_length = min(max(length, 2 * self.length, _FIRST_LENGTH), self.max_positions)
         shape = (self.slots, self.kv_heads, new_length, self.head_dim)
-        keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
-        values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        layers = range(len(self.constants))
+        keys = tuple(torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers)
+        values = tuple(torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers)
         if self.length:
             for old, new in zip(self.keys + self.values, keys + values, strict=True):
                 new[:, :, : self.length].copy_(old)
-        self.keys, self.values, self.length = keys, values, new_length
-        self._build_rotary_tables(new_length)
+        cos, sin = self._rotary_tables(new_length)
         _static_shape(*keys, *values, dims=(0, 1, 3))  # the length (dim 2) grows
-        _static_shape(self.cos, self.sin, dims=(1,))
+        _static_shape(cos, sin, dims=(1,))
+        self.frame = Frame(*self.weights, cos, sin, keys, values)
+        self.position_ids = torch.arange(new_length, device=self.device)
+        self.length = new_length
 
-    def _build_rotary_tables(self, length: int) -> None:
+    def _rotary_tables(self, length: int) -> tuple[Tensor, Tensor]:
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.model.model.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0].clone(), sin[0].clone()  # [length, head_dim]
+        return cos[0].clone(), sin[0].clone()  # [length, head_dim]
 
     def move(self, sources: list[int], targets: list[int], length: int) -> None:
         """Copy the first ``length`` positions of each slot in ``sources`` into the matching target."""
@@ -215,14 +317,17 @@ class SlotDecoder:
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self._run(self._prefill_step, ids.to(self.device), targets, sources, last)
 
-    def _prefill_step(self, ids: Tensor, targets: Tensor, sources: Tensor, last: Tensor) -> Tensor:
+    def _prefill_step(
+        self, frame: Frame, ids: Tensor, targets: Tensor, sources: Tensor, last: Tensor
+    ) -> Tensor:
         rows, width = ids.shape
-        cos, sin = self.cos[:width], self.sin[:width]
+        cos, sin = frame.cos[:width], frame.sin[:width]
         future = torch.ones((width, width), dtype=torch.bool, device=self.device).triu(1)  # causal mask
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-            self.keys[layer][targets, :, :width] = k[sources]
-            self.values[layer][targets, :, :width] = v[sources]
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            frame.keys[layer][targets, :, :width] = k[sources]
+            frame.values[layer][targets, :, :width] = v[sources]
+            scale = self.constants[layer].scaling
             if self.device.type != "cpu" or width > _SHORT_PROMPT:
                 gqa = self.heads != self.kv_heads
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -234,16 +339,16 @@ class SlotDecoder:
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.matmul(weights, v.unsqueeze(2)).reshape(rows, self.heads, width, self.head_dim)
 
-        hidden = self._layers(self.embed(ids), cos, sin, attend)
+        hidden = self._layers(frame, F.embedding(ids, frame.embed), cos, sin, attend)
         hidden = hidden[torch.arange(rows, device=self.device), last]
-        return self._logits(hidden)
+        return self._logits(frame, hidden)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
         """One step for slots 0..B-1: ``tokens[b]`` goes in at ``positions[b]`` of slot b; ``span``
         is max(positions) + 1 when the caller knows it. Returns float32 logits [B, vocab]."""
         span = int(positions.max()) + 1 if span is None else span
-        return self._run(self._decode_step, tokens, positions, span)
+        return self._run(self._decode_step, tokens, positions, self.position_ids[:span])
 
     @torch.inference_mode()
     def decode_and_sample(
@@ -251,52 +356,78 @@ class SlotDecoder:
     ) -> tuple[Tensor, Tensor]:
         """``decode`` followed by ``sample_unfiltered(logits, *draw)`` in one step (one compiled
         graph when compile_step): the next tokens and their raw logprobs."""
-        return self._run(self._decode_sample_step, tokens, positions, span, *draw)
+        return self._run(self._decode_sample_step, tokens, positions, self.position_ids[:span], *draw)
 
     def _decode_sample_step(
         self,
+        frame: Frame,
         tokens: Tensor,
         positions: Tensor,
-        span: int,
+        span_ids: Tensor,
         temperature: Tensor,
         uniform: Tensor,
         greedy: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        return sample_unfiltered(self._decode_step(tokens, positions, span), temperature, uniform, greedy)
+        logits = self._decode_step(frame, tokens, positions, span_ids)
+        return sample_unfiltered(logits, temperature, uniform, greedy)
 
     def _run(self, step: Any, *args: Any) -> Any:
-        """``step(*args)``, compiled when compile_step (falling back to eager if compiling fails)."""
+        """``step(self.frame, *args)``, compiled when compile_step (falling back to eager if
+        compiling fails)."""
         if self._compile:
             compiled = self._compiled.get(step.__name__)
             first = compiled is None
-            if compiled is None:
-                # On a CPU the C++ wrapper calls the kernels without Python between them: ~12% of
-                # a small model's decode step.
-                options = {"cpp_wrapper": self.device.type == "cpu"}
-                compiled = self._compiled[step.__name__] = torch.compile(step, dynamic=True, options=options)
             try:
-                result = compiled(*args)
+                if compiled is None:
+                    compiled = self._compiled[step.__name__] = self._compile_step(step, args)
+                result = compiled(self.frame, *args)
             except Exception as err:  # e.g. no C++ compiler for inductor: the eager step is the same
-                log.warning("torch.compile of %s failed, running it eagerly: %s", step.__name__, err)
+                log.warning("compiling %s failed, running it eagerly: %s", step.__name__, err)
                 self._compile = False
             else:
                 if first:  # the graphs just built live as long as this decoder
                     freeze_long_lived_objects()
                 return result
-        return step(*args)
+        return step(self.frame, *args)
 
-    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        batch = tokens.shape[0]
+    def _compile_step(self, step: Any, args: tuple[Any, ...]) -> Any:
+        """AOTInductor for the decode-and-sample step on a CPU (it runs once per token, and
+        torch.compile's dynamo wrapper costs a fifth of it there); torch.compile otherwise."""
+        if step == self._decode_sample_step and self.device.type == "cpu":
+            return AotStep(step, (self.frame, *args), self._decode_dims(), name=step.__name__)
+        # On a CPU the C++ wrapper calls the kernels without Python between them: ~12% of a
+        # small model's decode step.
+        options = {"cpp_wrapper": self.device.type == "cpu"}
+        return torch.compile(step, dynamic=True, options=options)
+
+    def _decode_dims(self) -> tuple[Any, ...]:
+        """The dynamic dims of ``_decode_sample_step``'s arguments, for torch.export."""
+        Dim = torch.export.Dim
+        batch = Dim("batch", min=1, max=self.slots)
+        span = Dim("span", min=1, max=self.max_positions)
+        length = Dim("length", min=1, max=self.max_positions)
+        cache = tuple({2: length} for _ in self.constants)
+        static = pytree.tree_map(lambda _: {}, self.frame)  # the frame's structure, all dims fixed
+        frame = static._replace(cos={0: length}, sin={0: length}, keys=cache, values=cache)
+        rows = {0: batch}
+        return (frame, rows, rows, {0: span}, rows, rows, rows)
+
+    def _decode_step(self, frame: Frame, tokens: Tensor, positions: Tensor, span_ids: Tensor) -> Tensor:
+        batch, span = tokens.shape[0], span_ids.shape[0]
         rows = torch.arange(batch, device=self.device)
-        bias = torch.zeros((batch, 1, 1, span), device=self.device, dtype=self.dtype)
-        bias.masked_fill_(torch.arange(span, device=self.device) > positions[:, None, None, None], -torch.inf)
-        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+        future = span_ids > positions[:, None]
+        bias = torch.zeros((batch, span), device=self.device, dtype=self.dtype).masked_fill_(
+            future, -torch.inf
+        )
+        bias = bias[:, None, None, :]
+        cos, sin = frame.cos[positions][:, None, None, :], frame.sin[positions][:, None, None, :]
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-            keys, values = self.keys[layer], self.values[layer]
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys, values = frame.keys[layer], frame.values[layer]
             keys[rows, :, positions] = k[:, :, 0]
             values[rows, :, positions] = v[:, :, 0]
             keys, values = keys[:batch, :, :span], values[:batch, :, :span]
+            scale = self.constants[layer].scaling
             if self.device.type != "cpu":
                 gqa = self.heads != self.kv_heads
                 return F.scaled_dot_product_attention(
@@ -308,31 +439,31 @@ class SlotDecoder:
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.matmul(weights, values).reshape(batch, self.heads, 1, self.head_dim)
 
-        hidden = self._layers(self.embed(tokens.unsqueeze(1)), cos, sin, attend)
-        return self._logits(hidden[:, -1])
+        hidden = self._layers(frame, F.embedding(tokens.unsqueeze(1), frame.embed), cos, sin, attend)
+        return self._logits(frame, hidden[:, -1])
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
+    def _layers(self, frame: Frame, x: Tensor, cos: Tensor, sin: Tensor, attend: Any) -> Tensor:
         batch, width, _ = x.shape
-        for index, layer in enumerate(self.layers):
-            attention = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm)
-            qkv = F.linear(h, *self.qkv[index]).view(batch, width, -1, self.head_dim)
-            rotated = self.heads + self.kv_heads
-            if hasattr(attention, "q_norm"):  # qwen3 normalises each head before the rotation
-                q = _rms_norm(qkv[:, :, : self.heads], attention.q_norm)
-                k = _rms_norm(qkv[:, :, self.heads : rotated], attention.k_norm)
+        rotated = self.heads + self.kv_heads
+        for index, (w, c) in enumerate(zip(frame.layers, self.constants, strict=True)):
+            h = _rms_norm(x, w.input_norm, c.input_eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias).view(batch, width, -1, self.head_dim)
+            if w.q_norm is not None and w.k_norm is not None:  # qwen3 normalises each head first
+                assert c.qk_eps is not None
+                q = _rms_norm(qkv[:, :, : self.heads], w.q_norm, c.qk_eps)
+                k = _rms_norm(qkv[:, :, self.heads : rotated], w.k_norm, c.qk_eps)
                 qk = _rotate(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)
             else:  # queries and keys turn in one go
                 qk = _rotate(qkv[:, :, :rotated].transpose(1, 2), cos, sin)
             q, k, v = qk[:, : self.heads], qk[:, self.heads :], qkv[:, :, rotated:].transpose(1, 2)
-            out = attend(index, q, k, v, attention.scaling)
-            out = out.transpose(1, 2).reshape(batch, width, -1)
-            x = x + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
-            mlp = layer.mlp
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = F.linear(h, *self.gate_up[index]).chunk(2, -1)
-            x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            out = attend(index, q, k, v).transpose(1, 2).reshape(batch, width, -1)
+            x = x + F.linear(out, w.o, w.o_bias)
+            h = _rms_norm(x, w.post_norm, c.post_eps)
+            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, -1)
+            x = x + F.linear(c.act(gate) * up, w.down, w.down_bias)
         return x
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(hidden, self.final_norm)).float()
+    def _logits(self, frame: Frame, hidden: Tensor) -> Tensor:
+        return F.linear(
+            _rms_norm(hidden, frame.final_norm, self.final_eps), frame.lm_head, frame.lm_head_bias
+        ).float()

@@ -20,6 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from services.rollout.aot import AotStep
 from services.rollout.decoder import SlotDecoder, unsupported_reason
 
 SIZES = {
@@ -160,8 +161,11 @@ def test_bfloat16_weights_decode_close_to_transformers_in_bfloat16() -> None:
     assert int(step[0].argmax()) == int(want.argmax())
 
 
-@pytest.mark.slow  # inductor compiles decode + sampling: ~25 s on two cores
-def test_decode_and_sample_compiled_draws_what_eager_draws() -> None:
+@pytest.mark.slow  # AOTInductor compiles decode + sampling: ~25 s on two cores
+def test_decode_and_sample_compiled_ahead_of_time_draws_what_eager_draws() -> None:
+    """One AOTInductor step serves every batch size (down to 1), a span as long as the cache, a
+    grown cache and an in-place weight update: the weights and caches are its inputs, not
+    constants compiled into it."""
     model = build("qwen2")
     eager = SlotDecoder(model, slots=3, max_positions=512)
     compiled = SlotDecoder(model, slots=3, max_positions=512, compile_step=True)
@@ -171,19 +175,32 @@ def test_decode_and_sample_compiled_draws_what_eager_draws() -> None:
     tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([3, 2, 4])
     temperature = torch.tensor([[1.0], [0.7], [1.0]])
     greedy = torch.tensor([False, False, True])
-    for step in range(4):
-        uniform = torch.rand(3, generator=torch.Generator().manual_seed(step))
-        draw = (temperature, uniform, greedy)
-        want = eager.decode_and_sample(tokens, positions, int(positions.max()) + 1, draw)
-        got = compiled.decode_and_sample(tokens, positions, int(positions.max()) + 1, draw)
-        assert compiled._compile and torch.equal(got[0], want[0])
-        assert torch.allclose(got[1], want[1], atol=1e-5)
-        tokens, positions = want[0], positions + 1
-    # The graph was built with the batch equal to the slot count; a smaller batch must not need
-    # another (a recompile here raises, and the decoder would fall back to eager).
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        draw = (temperature[:2], torch.rand(2, generator=torch.Generator().manual_seed(9)), greedy[:2])
-        span = int(positions[:2].max()) + 1
-        want = eager.decode_and_sample(tokens[:2], positions[:2], span, draw)
-        got = compiled.decode_and_sample(tokens[:2], positions[:2], span, draw)
-    assert compiled._compile and torch.equal(got[0], want[0])
+
+    def both(live: int, seed: int) -> torch.Tensor:
+        uniform = torch.rand(live, generator=torch.Generator().manual_seed(seed))
+        draw = (temperature[:live], uniform, greedy[:live])
+        span = int(positions[:live].max()) + 1
+        want = eager.decode_and_sample(tokens[:live], positions[:live], span, draw)
+        got = compiled.decode_and_sample(tokens[:live], positions[:live], span, draw)
+        assert compiled._compile, "the compiled step fell back to eager"
+        assert torch.equal(got[0], want[0])
+        assert torch.allclose(got[1], want[1], atol=1e-5), (got[1] - want[1]).abs().max()
+        return want[0]
+
+    for step, live in enumerate((3, 3, 2, 1)):
+        tokens[:live] = both(live, step)
+        positions[:live] += 1
+    assert isinstance(compiled._compiled["_decode_sample_step"], AotStep)
+    positions[0] = compiled.length - 1  # the span reaches the end of the cache
+    both(1, 10)
+    for decoder in (eager, compiled):
+        decoder.reserve(compiled.length + 1)  # a new, longer cache: new tensors in the frame
+    positions[:3] = torch.tensor([300, 5, 6])
+    both(3, 11)
+    draw = (temperature, torch.full((3,), 0.5), greedy)
+    before = eager.decode_and_sample(tokens, positions, 301, draw)[1]
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)  # what a weight load does: in place
+    after = eager.decode_and_sample(tokens, positions, 301, draw)[1]
+    assert not torch.allclose(before, after, atol=1e-3)  # the update changes what the model says
+    both(3, 12)  # and the compiled step says it too
