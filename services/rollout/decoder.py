@@ -403,13 +403,13 @@ class SlotDecoder:
     def _decode_dims(self) -> tuple[Any, ...]:
         """The dynamic dims of ``_decode_sample_step``'s arguments, for torch.export."""
         Dim = torch.export.Dim
-        batch = Dim("batch", min=1, max=self.slots)
+        batch = Dim("batch", min=1, max=self.slots) if self.slots > 1 else None  # a Dim needs min < max
         span = Dim("span", min=1, max=self.max_positions)
         length = Dim("length", min=1, max=self.max_positions)
         cache = tuple({2: length} for _ in self.constants)
         static = pytree.tree_map(lambda _: {}, self.frame)  # the frame's structure, all dims fixed
         frame = static._replace(cos={0: length}, sin={0: length}, keys=cache, values=cache)
-        rows = {0: batch}
+        rows = {0: batch} if batch is not None else {}
         return (frame, rows, rows, {0: span}, rows, rows, rows)
 
     def _decode_step(self, frame: Frame, tokens: Tensor, positions: Tensor, span_ids: Tensor) -> Tensor:

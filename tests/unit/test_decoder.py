@@ -204,3 +204,20 @@ def test_decode_and_sample_compiled_ahead_of_time_draws_what_eager_draws() -> No
     after = eager.decode_and_sample(tokens, positions, 301, draw)[1]
     assert not torch.allclose(before, after, atol=1e-3)  # the update changes what the model says
     both(3, 12)  # and the compiled step says it too
+
+
+@pytest.mark.slow  # AOTInductor compiles decode + sampling: ~20 s on two cores
+def test_a_one_slot_decoder_compiles_its_step_too() -> None:
+    """With one slot the batch dim cannot be dynamic (export's Dim needs min < max): it is fixed."""
+    model = build("llama")
+    eager = SlotDecoder(model, slots=1, max_positions=512)
+    compiled = SlotDecoder(model, slots=1, max_positions=512, compile_step=True)
+    draw = (torch.ones(1, 1), torch.tensor([0.3]), torch.tensor([False]))
+    results = []
+    for decoder in (eager, compiled):
+        decoder.reserve(16)
+        decoder.prefill([[5, 6, 7]], [[0]])
+        results.append(decoder.decode_and_sample(torch.tensor([9]), torch.tensor([3]), 4, draw))
+    assert isinstance(compiled._compiled.get("_decode_sample_step"), AotStep)
+    assert torch.equal(results[1][0], results[0][0])
+    assert torch.allclose(results[1][1], results[0][1], atol=1e-5)
