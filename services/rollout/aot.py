@@ -1,9 +1,9 @@
 """A step compiled ahead of time: torch.export, then AOTInductor into a shared library.
 
 torch.compile runs every call through dynamo: the frame's guards, the bytecode that gathers the
-graph's inputs and Python wrappers around the compiled graph, ~0.2 ms a call on a CPU: a fifth of
-a small model's decode step. An AOTInductor package is called with a flat list of tensors and
-runs its kernels from C++, with nothing in between.
+graph's inputs and Python wrappers around the compiled graph. On a CPU the demo model's decode
+step at batch 64 took 1.17 ms that way and 0.82 ms as an AOTInductor package, which is called
+with a flat list of tensors and runs its kernels from C++, with nothing in between.
 
 The price is that it checks nothing at a call: the caller keeps every input within the dtypes,
 devices and dynamic ranges it was exported with, as a decoder does with its own slots and cache.

@@ -392,7 +392,7 @@ class SlotDecoder:
 
     def _compile_step(self, step: Any, args: tuple[Any, ...]) -> Any:
         """AOTInductor for the decode-and-sample step on a CPU (it runs once per token, and
-        torch.compile's dynamo wrapper costs a fifth of it there); torch.compile otherwise."""
+        torch.compile's dynamo wrapper costs ~30% of it there); torch.compile otherwise."""
         if step == self._decode_sample_step and self.device.type == "cpu":
             return AotStep(step, (self.frame, *args), self._decode_dims(), name=step.__name__)
         # On a CPU the C++ wrapper calls the kernels without Python between them: ~12% of a
