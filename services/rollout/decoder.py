@@ -238,20 +238,23 @@ class SlotDecoder:
         gate_up = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in layers]
         for weight, bias in (*qkv, *gate_up):
             _static_shape(weight, bias)
-        self.weights = (
-            body.embed_tokens.weight,
-            tuple(_layer_weights(*parts) for parts in zip(layers, qkv, gate_up, strict=True)),
-            body.norm.weight,
-            model.lm_head.weight,
-            model.lm_head.bias,
-        )
-        """Frame's first five fields: the model's tensors, fixed for the decoder's life."""
         self.slots = slots
         self.max_positions = max_positions or 1 << 20
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.length = 0
-        self.frame = Frame(*self.weights, torch.empty(0), torch.empty(0), (), ())
+        self.frame = Frame(
+            embed=body.embed_tokens.weight,
+            layers=tuple(_layer_weights(*parts) for parts in zip(layers, qkv, gate_up, strict=True)),
+            final_norm=body.norm.weight,
+            lm_head=model.lm_head.weight,
+            lm_head_bias=model.lm_head.bias,
+            cos=torch.empty(0),
+            sin=torch.empty(0),
+            keys=(),
+            values=(),
+        )
+        """The weights stay for the decoder's life; ``reserve`` puts in new tables and caches."""
         self.position_ids = torch.empty(0, dtype=torch.long)
         """0..length-1 (a step's span is a prefix of it)."""
         self._compile = compile_step
@@ -285,7 +288,7 @@ class SlotDecoder:
         cos, sin = self._rotary_tables(new_length)
         _static_shape(*keys, *values, dims=(0, 1, 3))  # the length (dim 2) grows
         _static_shape(cos, sin, dims=(1,))
-        self.frame = Frame(*self.weights, cos, sin, keys, values)
+        self.frame = self.frame._replace(cos=cos, sin=sin, keys=keys, values=values)
         self.position_ids = torch.arange(new_length, device=self.device)
         self.length = new_length
 
