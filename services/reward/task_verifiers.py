@@ -1,6 +1,6 @@
 """Verifiers of built-in tasks that read more than the answer: the episode a response ended.
 
-``multiply`` scores a multi-turn episode (``services.rollout.episode``): the runner sends
+``multiply`` scores a multi-turn episode (``services.runner.episode``): the runner sends
 the last turn's text as the response, and the episode's counts in the metadata
 (``tool_calls``, ``tool_errors``, as decimal strings). The reward is the answer alone
 (a tool call is worth nothing by itself: it pays only through the right answer it leads
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from services.common.tasks import get_task
+from services.tasks.catalog import get_task
 
 TaskVerifierResult = tuple[float, dict[str, float], dict[str, str]]
 """(reward, components, info), as ``verifiers.VerifierResult``."""

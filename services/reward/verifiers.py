@@ -7,7 +7,7 @@ turns the exception into ``ScoreResponse.error``, never into a silent zero.
 
 The registry (``builtin_verifiers``):
 
-- every built-in task of ``services.common.tasks`` under its own name (``"addition"``),
+- every built-in task of ``services.tasks.catalog`` under its own name (``"addition"``),
   and the task verifiers that read an episode's metadata (``task_verifiers.py``);
 - ``exact_match``: the stripped response equals the stripped answer;
 - ``numeric``: the last number of the response is within a relative or absolute
@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from services.common.tasks import TASKS, Task
+from services.tasks.catalog import TASKS, Task
 from services.reward.code_verifier import CodeVerifier
 from services.reward.math_verifier import MathVerifier
 from services.reward.sandbox import SandboxConfig

@@ -1,15 +1,10 @@
-"""`python -m services.rollout [engine|runner]`: a rollout engine (default) or a rollout runner."""
+"""`python -m services.rollout`: a rollout engine (the torch backend, or SGLang servers)."""
 
 import sys
 
-ROLES = ("engine", "runner")
+from services.rollout.server import main
 
 if __name__ == "__main__":
-    role = sys.argv[1] if len(sys.argv) > 1 else "engine"
-    if role not in ROLES or len(sys.argv) > 2:
-        sys.exit(f"usage: python -m services.rollout [{'|'.join(ROLES)}]")
-    if role == "engine":
-        from services.rollout.server import main
-    else:
-        from services.rollout.runner import main
+    if len(sys.argv) > 1:
+        sys.exit("usage: python -m services.rollout (the episode runner is python -m services.runner)")
     main()

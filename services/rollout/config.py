@@ -1,4 +1,4 @@
-"""Settings of the rollout processes: engines (VERST_ENGINE_*) and runners (VERST_RUNNER_*)."""
+"""Settings of the rollout engine (VERST_ENGINE_*)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.pb import rollout_pb2
-from services.common.settings import RolloutClientSettings, ServiceSettings
+from services.common.settings import ServiceSettings
 
 
 class EngineSettings(ServiceSettings):
@@ -74,28 +74,3 @@ class EngineSettings(ServiceSettings):
         if self.weight_update_mode == "abort":
             return rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
         return rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE
-
-
-class RunnerSettings(RolloutClientSettings):
-    model_config = SettingsConfigDict(env_prefix="VERST_RUNNER_")
-    service_name: ClassVar[str] = "rollout-runner"
-
-    port: int = Field(50055, ge=0, le=65535)
-    """Port of the runner's health service; 0 picks a free one."""
-    max_concurrent_groups: int = Field(32, ge=1, le=65_536)
-    """PromptTasks (groups of n samples) in flight at once, over all jobs."""
-    reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)
-    """A task left unacked this long (its runner died, or its rollout failed) is retried by any
-    runner; live runners renew the tasks they work on three times per period."""
-    jobs_refresh_s: float = Field(1.0, ge=0.05, le=300.0)
-    """How often the runner looks for jobs that started or finished."""
-    max_deliveries: int = Field(5, ge=1, le=1000)
-    """A task delivered this many times without an ack is dead-lettered."""
-    retry_s: float = Field(30.0, ge=0.0, le=3600.0)
-    """How long fast router/reward failures (UNAVAILABLE, no weights yet) are retried in place."""
-    max_resumes: int = Field(8, ge=0, le=1000)
-    """Times one aborted sample (weight update in abort mode, Abort, Pause) is resumed from its
-    partial tokens; past it, or at 0, it is published with finish reason ABORT and its tokens so far."""
-    tools_address: str = Field("", pattern=r"^$|^\S+:\d{1,5}$")
-    """host:port of the Tools service that runs multi-turn episodes' tool calls; empty: the job's
-    reward service (the reward process serves Tools too)."""

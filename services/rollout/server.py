@@ -24,7 +24,7 @@ from services.common.bus import connect
 from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
-from services.common.registry import EngineRegistry
+from services.common.engine_registry import EngineRegistry
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.rollout.config import EngineSettings
 from services.rollout.engine import (
@@ -367,7 +367,7 @@ class EngineApp:
 async def serve_engine(settings: EngineSettings) -> None:
     redis = connect(require_redis_url(settings))
     if settings.backend == "sglang":
-        from services.rollout.sglang_engine import serve_sglang_engine
+        from services.rollout.sglang.engine import serve_sglang_engine
 
         try:
             await serve_sglang_engine(settings, redis, advertised_address(settings))

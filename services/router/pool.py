@@ -11,7 +11,7 @@ import grpc
 
 from services.common import grpc_client
 from services.common.pb import common_pb2, rollout_pb2_grpc
-from services.common.registry import EngineRegistry
+from services.common.engine_registry import EngineRegistry
 
 log = logging.getLogger(__name__)
 

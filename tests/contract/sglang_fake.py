@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from services.common.pb import common_pb2
-from services.rollout.sglang_backend import SGLangBackend, Timeouts
+from services.rollout.sglang.backend import SGLangBackend, Timeouts
 
 FIXTURE = json.loads((Path(__file__).parent / "sglang_exchange.json").read_text())
 EXCHANGES: dict[str, Any] = FIXTURE["exchanges"]

@@ -16,8 +16,7 @@ from services.common.settings import ServiceSettings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 DOCKERFILE = ROOT / "compose" / "Dockerfile"
-CONFIG_MODULES = ["api", "router", "reward", "trainer", "rollout"]
-ROLLOUT_ROLES = {"engine", "runner"}
+CONFIG_MODULES = ["api", "router", "reward", "trainer", "rollout", "runner"]
 SHARED_ENV = {"REDIS_URL", "VERST_LOG_LEVEL"}
 
 
@@ -44,9 +43,8 @@ def settings_classes() -> list[type[ServiceSettings]]:
 def settings_for(command: list[str]) -> type[ServiceSettings]:
     """The settings class of the process a compose command starts."""
     module = command[2]
-    role = command[3] if len(command) > 3 else "engine"
     by_name = {cls.service_name: cls for cls in settings_classes()}
-    name = {"services.rollout": f"rollout-{role}"}.get(module, module.removeprefix("services."))
+    name = {"services.rollout": "rollout-engine"}.get(module, module.removeprefix("services."))
     return by_name[name]
 
 
@@ -64,10 +62,7 @@ def test_command_is_a_real_entry_point(name: str) -> None:
     assert command[:2] == ["python", "-m"]
     module = command[2]
     assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{module} has no __main__"
-    if module == "services.rollout":
-        assert command[3] in ROLLOUT_ROLES
-    else:
-        assert len(command) == 3
+    assert len(command) == 3
 
 
 @pytest.mark.parametrize("name", sorted(app_services()))

@@ -16,8 +16,8 @@ import pytest
 
 from services.common.pb import common_pb2
 from services.common.redis_server import free_port
-from services.rollout.sglang_backend import SGLangBackend, Timeouts
-from services.rollout.sglang_protocol import (
+from services.rollout.sglang.backend import SGLangBackend, Timeouts
+from services.rollout.sglang.protocol import (
     SGLangConnectionError,
     SGLangError,
     SGLangHTTPError,

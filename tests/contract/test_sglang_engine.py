@@ -15,8 +15,8 @@ import pytest
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.redis_server import free_port
-from services.rollout.sglang_backend import SGLangBackend
-from services.rollout.sglang_engine import (
+from services.rollout.sglang.backend import SGLangBackend
+from services.rollout.sglang.engine import (
     SGLangEngineConfig,
     SGLangEngineView,
     SGLangInfoSource,
@@ -24,8 +24,8 @@ from services.rollout.sglang_engine import (
     SGLangWeightLoader,
     start_cancellable,
 )
-from services.rollout.sglang_launch import sglang_command, sglang_env
-from services.rollout.sglang_protocol import (
+from services.rollout.sglang.launch import sglang_command, sglang_env
+from services.rollout.sglang.protocol import (
     SGLangError,
     SGLangResponseError,
     SGLangTimeoutError,

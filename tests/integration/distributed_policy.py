@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.config import parse_job_spec
 from services.trainer import distributed
 from services.trainer.batching import TrainSample

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.bus import Bus
 from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2

@@ -6,7 +6,7 @@ import time
 
 from services.common.bus import Bus
 from services.common.pb import common_pb2
-from services.common.registry import EngineRegistry
+from services.common.engine_registry import EngineRegistry
 from services.common.streams import ENGINE_HEARTBEATS, ENGINES
 
 

@@ -27,8 +27,8 @@ from services.common.pb import reward_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.redis_server import free_port
 from services.reward.config import RewardSettings
 from services.reward.server import RewardServicer
-from services.rollout.config import RunnerSettings
-from services.rollout.runner import Runner
+from services.runner.config import RunnerSettings
+from services.runner.server import Runner
 from tests.helpers import eventually, serve
 from tests.integration.test_runner import FakeRouter, running_job, trajectories
 from tests.integration.test_services import stop
@@ -94,7 +94,7 @@ async def builtin_reward() -> AsyncIterator[tuple[CountingReward, str]]:
 
 @pytest.fixture
 def tokenizer_dir(tmp_path: Path) -> Path:
-    from services.common.basemodel import build_char_tokenizer
+    from services.tasks.basemodel import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(tmp_path)
     return tmp_path

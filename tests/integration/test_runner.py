@@ -30,9 +30,9 @@ from services.common.pb import (
 )
 from services.common.redis_server import free_port
 from services.common.streams import JobStreams
-from services.common.tasks import encode_prompt
-from services.rollout.config import RunnerSettings
-from services.rollout.runner import GROUP, Runner
+from services.tasks.catalog import encode_prompt
+from services.runner.config import RunnerSettings
+from services.runner.server import GROUP, Runner
 from tests.helpers import eventually, serve, stream_messages
 
 ENGINE_ID = "fake-engine-1"
@@ -128,7 +128,7 @@ class FakeReward(reward_pb2_grpc.RewardServicer):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint-like directory holding the builtin character tokenizer."""
-    from services.common.basemodel import build_char_tokenizer
+    from services.tasks.basemodel import build_char_tokenizer
 
     directory = tmp_path_factory.mktemp("checkpoint-v0")
     build_char_tokenizer().save_pretrained(directory)
@@ -461,7 +461,7 @@ async def test_aborted_samples_are_resumed_from_their_partial_tokens(
     reward: tuple[FakeReward, str],
     runner_for: Callable[..., Awaitable[Runner]],
 ) -> None:
-    from services.rollout.runner_group import resume_seed
+    from services.runner.group import resume_seed
 
     fake_router, router_address = partial_router
     fake_router.version, fake_router.delay_s = 3, 0.2

@@ -18,8 +18,7 @@ GRPC_SERVICES = [
     (["services.reward"], "VERST_REWARD_PORT"),
     (["services.trainer"], "VERST_TRAINER_PORT"),
     (["services.rollout"], "VERST_ENGINE_PORT"),
-    (["services.rollout", "engine"], "VERST_ENGINE_PORT"),
-    (["services.rollout", "runner"], "VERST_RUNNER_PORT"),
+    (["services.runner"], "VERST_RUNNER_PORT"),
 ]
 DEADLINE_S = 30.0
 
@@ -109,7 +108,7 @@ def test_bad_setting_names_the_variable(python: str, python_env: dict[str, str])
     assert "VERST_ROUTER_PORT" in result.stderr and "less than or equal to 65535" in result.stderr
 
 
-def test_unknown_rollout_role_is_refused(python: str, python_env: dict[str, str]) -> None:
+def test_the_engine_takes_no_role_argument(python: str, python_env: dict[str, str]) -> None:
     result = subprocess.run(
         [python, "-m", "services.rollout", "trainer"],
         env=python_env,
@@ -118,4 +117,6 @@ def test_unknown_rollout_role_is_refused(python: str, python_env: dict[str, str]
         timeout=30,
     )
     assert result.returncode == 1
-    assert "usage: python -m services.rollout [engine|runner]" in result.stderr
+    assert (
+        "usage: python -m services.rollout (the episode runner is python -m services.runner)" in result.stderr
+    )

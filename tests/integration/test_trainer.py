@@ -21,7 +21,7 @@ import torch
 from redis.exceptions import ResponseError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.bus import Bus
 from services.common.config import parse_job_spec
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc

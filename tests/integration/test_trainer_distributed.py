@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.bus import Bus
 from services.common.config import TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.bus import Bus
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.redis_server import free_port

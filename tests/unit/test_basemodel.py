@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common import basemodel
-from services.common.basemodel import (
+from services.tasks.basemodel import (
     STAMP_FILE,
     ModelPathError,
     WarmupRecipe,
@@ -26,7 +26,7 @@ from services.common.basemodel import (
     read_stamp,
     resolve_model_path,
 )
-from services.common.tasks import AdditionProblem, encode_prompt
+from services.tasks.catalog import AdditionProblem, encode_prompt
 
 TINY = WarmupRecipe(
     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, steps=3, batch_size=8
@@ -163,7 +163,7 @@ def test_a_second_process_waits_for_the_build_and_reuses_it(
     code = (
         "import logging, sys\n"
         "from pathlib import Path\n"
-        "from services.common.basemodel import WarmupRecipe, ensure_builtin_model\n"
+        "from services.tasks.basemodel import WarmupRecipe, ensure_builtin_model\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         f"recipe = WarmupRecipe(**{TINY.__dict__!r})\n"
         f"path = ensure_builtin_model('addition', Path({str(tmp_path)!r}), recipe=recipe)\n"

@@ -10,14 +10,14 @@ import pytest
 
 from services.common.config import load_job_spec
 from services.common.pb import common_pb2
-from services.common.tasks import (
+from services.tasks.catalog import (
     MULTIPLY_EVAL_SIZE,
     MultiplyProblem,
     get_task,
     multiply_eval_problems,
     multiply_train_problems,
 )
-from services.common.toolmodel import TOOL_MODELS
+from services.tasks.toolmodel import TOOL_MODELS
 from services.reward.task_verifiers import verify_multiply
 from services.reward.verifiers import VERIFIERS
 from services.trainer.collector import Group

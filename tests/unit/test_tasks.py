@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.basemodel import build_char_tokenizer
+from services.tasks.basemodel import build_char_tokenizer
 from services.common.config import DataConfig
-from services.common.tasks import (
+from services.tasks.catalog import (
     ADDITION_EVAL_SIZE,
     AdditionProblem,
     DataError,

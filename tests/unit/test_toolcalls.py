@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.rollout.toolcalls import (
+from services.runner.toolcalls import (
     FORMATS,
     HERMES,
     JSON,

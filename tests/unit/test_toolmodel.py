@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common import toolmodel
-from services.common.basemodel import STAMP_FILE, read_stamp, resolve_model_path
+from services.tasks.basemodel import STAMP_FILE, read_stamp, resolve_model_path
 from services.common.config import RolloutConfig
-from services.common.tasks import MultiplyProblem, encode_prompt, multiply_eval_problems
-from services.common.toolmodel import (
+from services.tasks.catalog import MultiplyProblem, encode_prompt, multiply_eval_problems
+from services.tasks.toolmodel import (
     ToolRecipe,
     build_tool_tokenizer,
     continue_texts,
@@ -29,8 +29,8 @@ from services.common.toolmodel import (
     warm_up_tools,
     warmup_transcripts,
 )
-from services.rollout.episode import render_observation
-from services.rollout.toolcalls import formats_of, parse_tool_calls
+from services.runner.episode import render_observation
+from services.runner.toolcalls import formats_of, parse_tool_calls
 
 TINY = ToolRecipe(
     hidden_size=16,

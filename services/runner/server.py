@@ -1,6 +1,6 @@
 """The rollout runner: turns the PromptTasks of every running job into scored Trajectories.
 
-``python -m services.rollout runner``. Every ``jobs_refresh_s`` it reads the
+``python -m services.runner``. Every ``jobs_refresh_s`` it reads the
 running jobs from the job store and keeps one consumer loop per job on
 ``verst:job:{id}:prompts`` (group "runners"). Up to ``max_concurrent_groups``
 tasks are in flight at once, over all jobs. For each task it asks the router
@@ -32,9 +32,9 @@ from services.common.jobs import JobRecord, JobStore, load_job_tokenizer
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
-from services.rollout.config import RunnerSettings
-from services.rollout.episode import roll_out_episodes
-from services.rollout.runner_group import (
+from services.runner.config import RunnerSettings
+from services.runner.episode import roll_out_episodes
+from services.runner.group import (
     GroupClients,
     InvalidTaskError,
     RetryLaterError,
@@ -241,7 +241,7 @@ async def _consume_until(settings: RunnerSettings, redis_url: str, stop: asyncio
 
 
 def main() -> None:
-    """``python -m services.rollout runner``: settings from the environment, health, the loop."""
+    """``python -m services.runner``: settings from the environment, health, the loop."""
     settings = load_settings(RunnerSettings)
     setup_logging(settings.service_name, settings.log_level)
     redis_url = require_redis_url(settings)

@@ -41,7 +41,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from services.common.tasks import (
+from services.tasks.catalog import (
     BUILTIN_PREFIX,
     AdditionProblem,
     PromptExample,
@@ -400,7 +400,7 @@ def _build_into_place(name: str, recipe: WarmupRecipe, final_dir: Path, *, progr
 def resolve_model_path(path: str) -> Path:
     """``builtin:<name>`` -> the built model's directory; else an existing local directory."""
     if path.startswith(BUILTIN_PREFIX):
-        from services.common.toolmodel import TOOL_MODELS, ensure_tool_model  # it imports this module
+        from services.tasks.toolmodel import TOOL_MODELS, ensure_tool_model  # it imports this module
 
         name = path.removeprefix(BUILTIN_PREFIX)
         return ensure_tool_model(name) if name in TOOL_MODELS else ensure_builtin_model(name)

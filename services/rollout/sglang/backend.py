@@ -24,8 +24,8 @@ import httpx
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.sampling import MAX_SAMPLES_PER_REQUEST, SamplingConfig
-from services.rollout.sglang_launch import SGLangProcess, sglang_command, sglang_env
-from services.rollout.sglang_protocol import (
+from services.rollout.sglang.launch import SGLangProcess, sglang_command, sglang_env
+from services.rollout.sglang.protocol import (
     SGLangConnectionError,
     SGLangError,
     SGLangHTTPError,

@@ -46,7 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.common.pb import common_pb2, reward_pb2, rollout_pb2
-from services.rollout.runner_group import (
+from services.runner.group import (
     GroupClients,
     Sample,
     call,
@@ -56,7 +56,7 @@ from services.rollout.runner_group import (
     resume,
     run_all,
 )
-from services.rollout.toolcalls import ToolCall, end_markers, formats_of, parse_tool_calls
+from services.runner.toolcalls import ToolCall, end_markers, formats_of, parse_tool_calls
 
 TOOL_DEADLINE_MARGIN_S = 5.0
 """Added to ``tool_timeout_s`` for a call's gRPC deadline: starting a sandbox, or waiting for one."""

@@ -24,12 +24,12 @@ import redis.asyncio as aioredis
 
 from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.registry import EngineRegistry
+from services.common.engine_registry import EngineRegistry
 from services.rollout.engine import EngineStatus, WeightUpdate
 from services.rollout.metrics import EngineMetrics, serving_metrics
 from services.rollout.sampling import SamplingConfig
-from services.rollout.sglang_backend import SGLangBackend, Timeouts
-from services.rollout.sglang_protocol import SGLangError, SGLangHTTPError, SGLangWeightsError
+from services.rollout.sglang.backend import SGLangBackend, Timeouts
+from services.rollout.sglang.protocol import SGLangError, SGLangHTTPError, SGLangWeightsError
 from services.rollout.watcher import Heartbeat, LoadReport, WeightWatcher
 from services.rollout.weights import CheckpointError, checkpoint_dir, verify_weights
 

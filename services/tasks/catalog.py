@@ -15,7 +15,7 @@ train split never produces.
 The built-in task ``multiply``: ``"What is 347*829?"`` with both operands in
 [317, 999], answered with the exact product (``"287663"``). It is a multi-turn
 task: a tiny model cannot multiply, so it is solved by calling the python tool
-and copying the result (``services/common/toolmodel.py`` builds such a model).
+and copying the result (``services/tasks/toolmodel.py`` builds such a model).
 
 Everyone encodes a prompt with ``encode_prompt`` so that the controller, the
 engines and the trainer agree on the token ids.

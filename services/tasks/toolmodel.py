@@ -49,7 +49,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from services.common.basemodel import (
+from services.tasks.basemodel import (
     FORMAT_VERSION,
     LOCK_TIMEOUT_S,
     SPECIAL_TOKENS,
@@ -63,7 +63,7 @@ from services.common.basemodel import (
     tiny_llama_config,
 )
 from services.common.config import RolloutConfig
-from services.common.tasks import (
+from services.tasks.catalog import (
     BUILTIN_PREFIX,
     MultiplyProblem,
     encode_prompt,
