@@ -10,16 +10,15 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from services.common.config import JobSpecError, load_job_spec
+from services.client import get_job, list_jobs, submit
+from services.common.config import JobSpecError
 
 DEFAULT_API = os.environ.get("VERST_API_URL", "http://127.0.0.1:8000")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = REPO_ROOT / "examples" / "addition.yaml"
-TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -47,23 +46,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def submit(api: str, spec_path: Path) -> dict[str, Any]:
-    """Validate a spec locally (errors name the field), then POST it to the api."""
-    spec = load_job_spec(spec_path)
-    response = httpx.post(f"{api}/v1/jobs", json=spec.model_dump(mode="json"), timeout=30)
-    if response.status_code != 201:
-        raise SystemExit(f"verst submit: {response.status_code} {response.text}")
-    return response.json()
-
-
-def get_job(api: str, job_id: str) -> dict[str, Any]:
-    response = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10)
-    if response.status_code == 404:
-        raise SystemExit(f"verst: no job {job_id!r}")
-    response.raise_for_status()
-    return response.json()
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     job = submit(args.api, Path(args.spec))
     print(job["job_id"])
@@ -74,10 +56,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.job:
         print(json.dumps(get_job(args.api, args.job), indent=2))
         return 0
-    response = httpx.get(f"{args.api}/v1/jobs", timeout=10)
-    response.raise_for_status()
-    jobs = response.json()
-    jobs = jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
+    jobs = list_jobs(args.api)
     print(f"{'job':32} {'state':22} {'version':>7} {'step':>5}")
     for job in jobs:
         print(

@@ -6,22 +6,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
-from services.cli import TERMINAL, get_job, submit
+from services.client import TERMINAL_STATES, get_job, job_history, submit
 from services.common.config import load_job_spec
 from services.stack import Stack, StackConfig
 
 POLL_S = 0.5
 DEMO_TIMEOUT_S = 3600.0
-
-
-def job_history(api: str, job_id: str) -> list[dict[str, Any]]:
-    """Per-step metric points, oldest first: {"step", "policy_version", "source", "values", "time"}."""
-    response = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", timeout=10)
-    response.raise_for_status()
-    return response.json()["points"]
 
 
 def series(history: list[dict[str, Any]], source: str, name: str) -> tuple[list[int], list[float]]:
@@ -73,7 +65,7 @@ def follow(stack: Stack, job_id: str, steps: int) -> dict[str, Any]:
             if "eval/accuracy" in metrics:
                 postfix["accuracy"] = f"{metrics['eval/accuracy']:.2f}"
             bar.set_postfix(postfix)
-            if job["state"] in TERMINAL:
+            if job["state"] in TERMINAL_STATES:
                 return job
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} did not finish within {DEMO_TIMEOUT_S:.0f}s")

@@ -31,8 +31,6 @@ class ModelConfig(Section):
     """Local Hugging Face model directory, or `builtin:<name>` for a model verst prepares."""
     tokenizer: str | None = None
     """Tokenizer directory when it differs from `path`."""
-    gguf_file: str | None = None
-    """GGUF file name inside `path`, for models shipped as GGUF."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for rollout and training."""
     trust_remote_code: bool = False
@@ -121,8 +119,6 @@ class AlgorithmConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["torch", "sglang"] = "torch"
-    """Generation backend of the engines."""
     prompts_per_step: int = Field(8, ge=1, le=65_536)
     """Prompts (groups) per trainer step."""
     max_new_tokens: int = Field(64, ge=1, le=65_536)

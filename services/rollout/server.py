@@ -21,10 +21,10 @@ import redis.asyncio as aioredis
 import torch
 
 from services.common.bus import connect
+from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
-from services.common.engine_registry import EngineRegistry
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.rollout.config import EngineSettings
 from services.rollout.engine import (

@@ -15,8 +15,8 @@ from redis.exceptions import RedisError
 
 from services.common.bus import Bus
 from services.common.config import JobSpec
-from services.common.pb import common_pb2, rollout_pb2
 from services.common.engine_registry import EngineRegistry
+from services.common.pb import common_pb2, rollout_pb2
 from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.engine import TorchEngine, WeightUpdate
 from services.rollout.weights import CheckpointError, checkpoint_dir

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import grpc_client
-from services.common.pb import common_pb2, rollout_pb2_grpc
 from services.common.engine_registry import EngineRegistry
+from services.common.pb import common_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 

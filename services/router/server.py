@@ -21,9 +21,9 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.common.bus import connect
+from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
-from services.common.engine_registry import EngineRegistry
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.router.config import RouterSettings
 from services.router.pool import EngineLink, EnginePool

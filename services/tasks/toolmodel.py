@@ -49,6 +49,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from services.common.config import RolloutConfig
 from services.tasks.basemodel import (
     FORMAT_VERSION,
     LOCK_TIMEOUT_S,
@@ -62,7 +63,6 @@ from services.tasks.basemodel import (
     read_stamp,
     tiny_llama_config,
 )
-from services.common.config import RolloutConfig
 from services.tasks.catalog import (
     BUILTIN_PREFIX,
     MultiplyProblem,

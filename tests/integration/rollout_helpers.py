@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.common.bus import Bus, connect
+from services.common.engine_registry import EngineRegistry
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
-from services.common.engine_registry import EngineRegistry
 from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.config import EngineSettings
 from services.rollout.server import EngineApp

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from services.common.bus import Bus
-from services.common.pb import common_pb2
 from services.common.engine_registry import EngineRegistry
+from services.common.pb import common_pb2
 from services.common.streams import ENGINE_HEARTBEATS, ENGINES
 
 

@@ -30,9 +30,9 @@ from services.common.pb import (
 )
 from services.common.redis_server import free_port
 from services.common.streams import JobStreams
-from services.tasks.catalog import encode_prompt
 from services.runner.config import RunnerSettings
 from services.runner.server import GROUP, Runner
+from services.tasks.catalog import encode_prompt
 from tests.helpers import eventually, serve, stream_messages
 
 ENGINE_ID = "fake-engine-1"

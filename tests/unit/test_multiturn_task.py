@@ -10,6 +10,8 @@ import pytest
 
 from services.common.config import load_job_spec
 from services.common.pb import common_pb2
+from services.reward.task_verifiers import verify_multiply
+from services.reward.verifiers import VERIFIERS
 from services.tasks.catalog import (
     MULTIPLY_EVAL_SIZE,
     MultiplyProblem,
@@ -18,8 +20,6 @@ from services.tasks.catalog import (
     multiply_train_problems,
 )
 from services.tasks.toolmodel import TOOL_MODELS
-from services.reward.task_verifiers import verify_multiply
-from services.reward.verifiers import VERIFIERS
 from services.trainer.collector import Group
 from services.trainer.job import tool_use_rate
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.tasks.basemodel import build_char_tokenizer
 from services.common.config import DataConfig
+from services.tasks.basemodel import build_char_tokenizer
 from services.tasks.catalog import (
     ADDITION_EVAL_SIZE,
     AdditionProblem,

@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common import toolmodel
-from services.tasks.basemodel import STAMP_FILE, read_stamp, resolve_model_path
 from services.common.config import RolloutConfig
+from services.runner.episode import render_observation
+from services.runner.toolcalls import formats_of, parse_tool_calls
+from services.tasks.basemodel import STAMP_FILE, read_stamp, resolve_model_path
 from services.tasks.catalog import MultiplyProblem, encode_prompt, multiply_eval_problems
 from services.tasks.toolmodel import (
     ToolRecipe,
@@ -29,8 +31,6 @@ from services.tasks.toolmodel import (
     warm_up_tools,
     warmup_transcripts,
 )
-from services.runner.episode import render_observation
-from services.runner.toolcalls import formats_of, parse_tool_calls
 
 TINY = ToolRecipe(
     hidden_size=16,

@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
+from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.engine_registry import EngineRegistry
 from services.rollout.engine import EngineStatus, WeightUpdate
 from services.rollout.metrics import EngineMetrics, serving_metrics
 from services.rollout.sampling import SamplingConfig

@@ -1,0 +1,46 @@
+"""A small REST client of the api, shared by the `verst` command and `verst demo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.common.config import load_job_spec
+from services.common.jobs import TERMINAL_STATES
+
+__all__ = ["TERMINAL_STATES", "get_job", "job_history", "list_jobs", "submit"]
+
+
+def submit(api: str, spec_path: Path) -> dict[str, Any]:
+    """Validate a spec locally (errors name the field), then POST it to the api."""
+    spec = load_job_spec(spec_path)
+    response = httpx.post(f"{api}/v1/jobs", json=spec.model_dump(mode="json"), timeout=30)
+    if response.status_code != 201:
+        raise SystemExit(f"verst submit: {response.status_code} {response.text}")
+    return response.json()
+
+
+def get_job(api: str, job_id: str) -> dict[str, Any]:
+    """One job's record; exits with a clear message when there is no such job."""
+    response = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10)
+    if response.status_code == 404:
+        raise SystemExit(f"verst: no job {job_id!r}")
+    response.raise_for_status()
+    return response.json()
+
+
+def list_jobs(api: str) -> list[dict[str, Any]]:
+    """The newest jobs, newest first."""
+    response = httpx.get(f"{api}/v1/jobs", timeout=10)
+    response.raise_for_status()
+    jobs = response.json()
+    return jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
+
+
+def job_history(api: str, job_id: str) -> list[dict[str, Any]]:
+    """Per-step metric points, oldest first: {"step", "policy_version", "source", "values", "time"}."""
+    response = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", timeout=10)
+    response.raise_for_status()
+    return response.json()["points"]
