@@ -37,6 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from services.reward import sandbox_child
+from services.reward.sandbox_output import OutputBudget, OutputStream
 
 log = logging.getLogger(__name__)
 
@@ -181,57 +182,6 @@ class UidPool:
                 log.error("sandbox uid %d still has processes after the kill; it stays out of use", uid)
 
 
-class _Budget:
-    """Output bytes a call may still keep, shared by stdout and stderr."""
-
-    def __init__(self, size: int) -> None:
-        self.left = size
-        self.over = False
-
-    def take(self, data: bytes) -> bytes:
-        kept = data[: self.left]
-        self.left -= len(kept)
-        self.over = self.over or len(kept) < len(data)
-        return kept
-
-
-class _Stream:
-    """stdout or stderr of the running call: keeps what fits the budget, finds the end marker
-    even when a read splits it."""
-
-    def __init__(self, marker: bytes) -> None:
-        self.marker = marker
-        self.data = bytearray()
-        self.tail = b""
-        self.marked = False
-
-    def begin(self) -> None:
-        self.data, self.tail, self.marked = bytearray(), b"", False
-
-    def feed(self, chunk: bytes, budget: _Budget) -> None:
-        if self.marked:
-            return  # written after the call ended, by something the code left running
-        window = self.tail + chunk
-        end = window.find(self.marker)
-        if end >= 0:
-            self.data += budget.take(window[:end])
-            self.tail, self.marked = b"", True
-            return
-        held = next(
-            n
-            for n in range(min(len(self.marker) - 1, len(window)), -1, -1)
-            if window.endswith(self.marker[:n])
-        )
-        self.data += budget.take(window[: len(window) - held])  # held back: maybe the marker's start
-        self.tail = window[len(window) - held :]
-
-    def text(self, budget: _Budget) -> str:
-        if self.tail:
-            self.data += budget.take(self.tail)
-            self.tail = b""
-        return self.data.decode("utf-8", "replace")
-
-
 class SandboxProcess:
     """One live sandbox. ``start`` it, ``run`` code any number of times (one at a time), then
     ``close`` it; a call that does not end normally kills it."""
@@ -247,8 +197,8 @@ class SandboxProcess:
         self._selector = selectors.DefaultSelector()
         marker = f"\0\x1everst-end-{secrets.token_hex(8)}\0".encode()
         self._marker = marker
-        self._streams = {"out": _Stream(marker), "err": _Stream(marker)}
-        self._budget = _Budget(config.limits.output_bytes)
+        self._streams = {"out": OutputStream(marker), "err": OutputStream(marker)}
+        self._budget = OutputBudget(config.limits.output_bytes)
         self._status_buffer = b""
         self._events: dict[str, dict] = {}
         self._closed = False
@@ -342,7 +292,7 @@ class SandboxProcess:
         deadline = started + timeout_s
         for stream in self._streams.values():
             stream.begin()
-        self._budget = _Budget(self.config.limits.output_bytes)
+        self._budget = OutputBudget(self.config.limits.output_bytes)
         self._events.pop("result", None)
         request = json.dumps({"code": code, "cpu_s": self.config.limits.cpu_s}).encode()
         reason = self._send(struct.pack(">I", len(request)) + request, deadline, cancel)

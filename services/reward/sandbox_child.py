@@ -1,33 +1,15 @@
-"""The inside of one sandbox: a root supervisor and the process that runs the code.
+"""The inside of one sandbox: a supervisor and the runner it forks to run the code.
 
-Started by ``services/reward/sandbox.py`` as ``python -I -S sandbox_child.py CONFIG_JSON`` with
-a scrubbed environment; standard library only, since ``-S`` leaves site-packages out. The
-process forks in two:
-
-- the supervisor (this process; it keeps the service's uid) becomes a child subreaper, so every
-  orphan of the sandbox is re-parented to it rather than to PID 1 (which may never reap, and
-  unreaped zombies would count against the sandbox uid's process limit). When the runner dies,
-  or the service writes to the lifeline pipe or dies itself (EOF), it kills every process of
-  the sandbox, reaps them, reports the runner's wait status on the status pipe and exits;
-- the runner isolates itself (below), then runs each request's code in one namespace of
-  globals (a stateful session is the same runner given several requests) and writes one
-  status line per request.
-
-Isolation of the runner, in order (``layers`` in the ready line says which applied):
-
-- ``netns``: a new, empty network namespace (not even loopback is up); else ``audit-net``, an
-  audit hook that refuses socket use and the start of other programs (ctypes can get around
-  it: it stops accidents, it is not a boundary);
-- ``mountns``: a private mount namespace where every mount is read-only and nosuid except the
-  working directory; directories of the interpreter that the sandbox uid cannot reach (say
-  under a 0700 /root) are shown through a read-only tmpfs, which also hides the rest of them;
-  ``/proc`` is remounted with ``hidepid=2``, so other users' processes are invisible;
-- ``uid``: when the supervisor is root, the runner drops to a uid of its own (no
-  supplementary groups, no new privileges), which makes RLIMIT_NPROC count (root is exempt),
-  lets file permissions refuse writes outside the working directory, and makes the service's
-  ``/proc/<pid>/environ`` unreadable; killing "every process of the sandbox" is then a
-  ``kill(-1)`` as that uid, which the kernel applies atomically against forks;
-- rlimits: CPU time, address space, processes (and threads), file size, open files, no core.
+Started by ``services/reward/sandbox.py`` as ``python -I -S sandbox_child.py CONFIG_JSON`` with a
+scrubbed environment, so standard library only. The supervisor keeps the service's uid and is a
+child subreaper, so orphans are reaped, not left as zombies that count against the sandbox uid's
+process limit. When the runner dies, or the service's lifeline pipe is written or closed, it kills
+and reaps every process of the sandbox, reports the runner's wait status and exits. The runner
+isolates itself, runs each request's code in one namespace of globals (a session is one runner
+given several requests) and writes one status line per request. Its layers, in order (the ready
+line names those that applied; the table in docs/architecture.md says what each stops): ``netns``
+(else the ``audit-net`` hook), ``mountns`` with ``hidepid``, ``uid`` (when the supervisor is root,
+which makes the kill a ``kill(-1)`` as that uid, atomic against forks), and rlimits.
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from services.reward.sandbox import (
     SandboxError,
     Sandboxes,
     SandboxLimits,
-    _Budget,
-    _Stream,
     process_uids,
 )
+from services.reward.sandbox_output import OutputBudget, OutputStream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,7 +155,7 @@ def test_the_end_marker_is_found_wherever_reads_split_it() -> None:
     data = b"ab\0\x1een" + marker + b"late"  # a false start of the marker, then the marker
     for first in range(len(data) + 1):
         for second in range(first, len(data) + 1):
-            stream, budget = _Stream(marker), _Budget(100)
+            stream, budget = OutputStream(marker), OutputBudget(100)
             for chunk in (data[:first], data[first:second], data[second:]):
                 stream.feed(chunk, budget)
             assert stream.marked and stream.text(budget) == "ab\0\x1een", (first, second)
