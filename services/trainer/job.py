@@ -29,7 +29,7 @@ from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams, job_key
-from services.trainer import distributed
+from services.trainer import distributed, leader
 from services.trainer.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
@@ -261,8 +261,8 @@ class JobRun:
             raise ValueError(
                 f"algorithm.advantage {estimator.name!r} needs one trainer process (no sharded critic)"
             )
-        # Every rank loads (distributed.py); the optimiser and schedule resume with the weights.
-        self.policy = distributed.load_policy(
+        # Every rank loads (leader.py); the optimiser and schedule resume with the weights.
+        self.policy = leader.load_policy(
             spec=self.spec,
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,

@@ -87,11 +87,9 @@ def init_distributed(device: torch.device, timeout: timedelta = DISTRIBUTED_TIME
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed
 
-    from services.trainer.distributed import world_from_env
-
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not torch.distributed.is_initialized():
-        world = world_from_env()
+        world = distributed.world_from_env()
         os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # the DeepSpeed engine reads it
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
