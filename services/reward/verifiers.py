@@ -143,17 +143,20 @@ class VerifierOptions:
 
 
 @VERIFIER_REGISTRY.register("numeric", configurable=True)
-def numeric_verifier(options: VerifierOptions) -> Verifier:
+def make_numeric_verifier(options: VerifierOptions) -> Verifier:
+    """The ``numeric`` verifier with the service's tolerances."""
     return NumericVerifier(options.numeric_rel_tol, options.numeric_abs_tol)
 
 
 @VERIFIER_REGISTRY.register("math", configurable=True)
-def math_verifier(options: VerifierOptions) -> Verifier:
+def make_math_verifier(options: VerifierOptions) -> Verifier:
+    """The ``math`` verifier with the service's workers and timeout."""
     return MathVerifier(options.math_workers, options.math_timeout_s)
 
 
 @VERIFIER_REGISTRY.register("code", configurable=True)
-def code_verifier(options: VerifierOptions) -> Verifier:
+def make_code_verifier(options: VerifierOptions) -> Verifier:
+    """The ``code`` verifier with the service's sandbox and timeouts."""
     return CodeVerifier(
         options.sandbox, test_timeout_s=options.code_test_timeout_s, timeout_s=options.code_timeout_s
     )
