@@ -14,10 +14,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+# The trainer's registries (services/trainer: advantages, losses, regularizers) own the algorithm
+# names and their traits; this module must not import them (torch). The Literals below and these
+# two sets repeat them, and tests/unit/test_registry_generic.py holds them equal.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
-"""Advantage estimators that compare samples within a group, so need n >= 2."""
+"""Advantage estimators that compare samples within a group, so need n >= 2 (``needs_groups``)."""
 TOKEN_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
-"""Advantage estimators that take per-token rewards, so can take the KL penalty as a reward."""
+"""Advantage estimators that take per-token rewards, so can take the KL penalty as a reward
+(``token_level``)."""
 
 
 class Section(BaseModel):

@@ -5,7 +5,7 @@ the scalar reward, its named parts, and free-form strings worth showing (the
 parsed answer, say). It raises on input it cannot judge; the reward service
 turns the exception into ``ScoreResponse.error``, never into a silent zero.
 
-The registry (``builtin_verifiers``):
+The registry (``VERIFIER_REGISTRY``; ``builtin_verifiers`` builds its verifiers):
 
 - every built-in task of ``services.tasks.catalog`` under its own name (``"addition"``),
   and the task verifiers that read an episode's metadata (``task_verifiers.py``);
@@ -15,6 +15,9 @@ The registry (``builtin_verifiers``):
 - ``math``: math-verify's symbolic comparison (``math_verifier.py``);
 - ``code``: the fraction of the task's unit tests the response's program passes in the
   sandbox (``code_verifier.py``).
+
+The last three are ``configurable``: registered as a function of the service's
+``VerifierOptions`` that makes the verifier.
 
 User reward functions are not registered here: a ScoreRequest names one as
 ``module:function`` (``plugins.py``).
@@ -26,7 +29,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from services.common.registry import Entry, Registry
 from services.reward.code_verifier import CodeVerifier
 from services.reward.math_verifier import MathVerifier
 from services.reward.sandbox import SandboxConfig
@@ -45,6 +50,26 @@ NUMBER = re.compile(
 """A number as answers write it: ``-12``, ``3.5``, ``1,234.5``, ``.5``, ``6.02e23``, ``3/4``."""
 
 
+@dataclass(frozen=True, slots=True)
+class VerifierEntry(Entry[Callable[..., Any]]):
+    """A registered verifier: ``fn`` is the ``Verifier``, or with ``configurable`` a function of
+    the ``VerifierOptions`` that makes it."""
+
+    configurable: bool = False
+    """``fn(options)`` makes the verifier, so its settings come from the service."""
+
+    def build(self, options: VerifierOptions) -> Verifier:
+        """The verifier, configured by ``options`` when it is configurable."""
+        return self.fn(options) if self.configurable else self.fn
+
+
+VERIFIER_REGISTRY: Registry[VerifierEntry] = Registry(
+    VerifierEntry, kind="verifier", field="reward.verifier", owner="reward service"
+)
+"""Every built-in verifier by the name a ScoreRequest (``reward.verifier``) uses."""
+
+
+@VERIFIER_REGISTRY.register("exact_match")
 def exact_match(response_text: str, answer: str, metadata: Mapping[str, str]) -> VerifierResult:
     """Reward 1.0 iff the response equals the answer, both stripped of surrounding whitespace."""
     response = response_text.strip()
@@ -117,20 +142,45 @@ class VerifierOptions:
     """``code``: how its sandboxes are made."""
 
 
+@VERIFIER_REGISTRY.register("numeric", configurable=True)
+def make_numeric_verifier(options: VerifierOptions) -> Verifier:
+    """The ``numeric`` verifier with the service's tolerances."""
+    return NumericVerifier(options.numeric_rel_tol, options.numeric_abs_tol)
+
+
+@VERIFIER_REGISTRY.register("math", configurable=True)
+def make_math_verifier(options: VerifierOptions) -> Verifier:
+    """The ``math`` verifier with the service's workers and timeout."""
+    return MathVerifier(options.math_workers, options.math_timeout_s)
+
+
+@VERIFIER_REGISTRY.register("code", configurable=True)
+def make_code_verifier(options: VerifierOptions) -> Verifier:
+    """The ``code`` verifier with the service's sandbox and timeouts."""
+    return CodeVerifier(
+        options.sandbox, test_timeout_s=options.code_test_timeout_s, timeout_s=options.code_timeout_s
+    )
+
+
+def _register_tasks() -> None:
+    """Every built-in task under its name; a task verifier that reads the episode's metadata
+    (``task_verifiers.py``) takes the place of the task's generic one."""
+    for name, task in TASKS.items():
+        if name not in TASK_VERIFIERS:
+            VERIFIER_REGISTRY.register(name)(task_verifier(task))
+    for name, verify in TASK_VERIFIERS.items():
+        VERIFIER_REGISTRY.register(name)(verify)
+
+
+_register_tasks()
+
+
 def builtin_verifiers(options: VerifierOptions | None = None) -> dict[str, Verifier]:
     """Every built-in verifier by name. Nothing starts here: ``math`` starts its worker
     processes and ``code`` its sandboxes on first use."""
     options = options if options is not None else VerifierOptions()
-    verifiers: dict[str, Verifier] = {name: task_verifier(task) for name, task in TASKS.items()}
-    verifiers.update(TASK_VERIFIERS)  # tasks whose verifier reads the episode's metadata
-    verifiers["exact_match"] = exact_match
-    verifiers["numeric"] = NumericVerifier(options.numeric_rel_tol, options.numeric_abs_tol)
-    verifiers["math"] = MathVerifier(options.math_workers, options.math_timeout_s)
-    verifiers["code"] = CodeVerifier(
-        options.sandbox, test_timeout_s=options.code_test_timeout_s, timeout_s=options.code_timeout_s
-    )
-    return verifiers
+    return {entry.name: entry.build(options) for entry in VERIFIER_REGISTRY}
 
 
 VERIFIERS: Mapping[str, Verifier] = builtin_verifiers()
-"""The registry with default options: its names are the verifiers a setting may name."""
+"""The registry's verifiers with default options: its names are the verifiers a setting may name."""

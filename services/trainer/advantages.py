@@ -1,4 +1,5 @@
-"""Advantage estimators, registered by the name a JobSpec uses (``algorithm.advantage``).
+"""Advantage estimators, registered in ``ADVANTAGE_ESTIMATORS`` by the name a JobSpec uses
+(``algorithm.advantage``) with their traits (``AdvantageEstimator``).
 
 Two kinds. An *outcome* estimator (``get_advantage``: grpo, dr_grpo, rloo) takes
 the rewards of a rollout batch as a ``[groups, group_size]`` tensor (the samples
@@ -18,46 +19,47 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+
+from services.common.registry import Entry, Registry
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
 EPS = 1e-6
 """Keeps a group whose rewards are all equal from dividing by zero (its advantages are 0)."""
 
-_ADVANTAGES: dict[str, AdvantageFn] = {}
-_TOKEN_ADVANTAGES: dict[str, TokenAdvantageFn] = {}
+
+@dataclass(frozen=True, slots=True)
+class AdvantageEstimator(Entry[Callable[..., Any]]):
+    """An estimator and what it asks of the job; ``fn`` is an ``AdvantageFn`` (outcome) or a
+    ``TokenAdvantageFn`` (``token_level``)."""
+
+    token_level: bool = False
+    """Per token (a ``TokenAdvantageFn``): it can take the KL penalty as per-token rewards."""
+    needs_groups: bool = False
+    """Compares the samples of a group, so needs algorithm.group_size >= 2."""
+    needs_critic: bool = False
+    """Needs the critic's values: the job trains a critic beside the policy."""
+    whiten: bool = False
+    """The trainer whitens its advantages over the batch (its returns, the critic's targets, stay raw)."""
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Make an outcome estimator available as ``algorithm.advantage: <name>``."""
-
-    def add(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES or name in _TOKEN_ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return add
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    AdvantageEstimator, kind="advantage estimator", field="algorithm.advantage"
+)
+"""Every estimator by the name ``algorithm.advantage`` uses."""
 
 
 def get_advantage(name: str) -> AdvantageFn:
     """The outcome estimator registered as ``name``; ValueError naming the available ones otherwise."""
-    if name in _TOKEN_ADVANTAGES:
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    if estimator.token_level:
         raise ValueError(
-            f"algorithm.advantage {name!r} is a token-level estimator: it needs get_token_advantage"
+            f"{ADVANTAGE_ESTIMATORS.field} {name!r} is a token-level estimator: it needs get_token_advantage"
         )
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"algorithm.advantage {name!r} is not available in this trainer (available: {available()})"
-        ) from None
-
-
-def available() -> str:
-    return ", ".join(sorted([*_ADVANTAGES, *_TOKEN_ADVANTAGES]))
+    return cast(AdvantageFn, estimator.fn)
 
 
 def _check(rewards: torch.Tensor) -> None:
@@ -65,7 +67,7 @@ def _check(rewards: torch.Tensor) -> None:
         raise ValueError(f"rewards must be [groups, group_size >= 2], got {tuple(rewards.shape)}")
 
 
-@register_advantage("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
 def grpo(rewards: torch.Tensor) -> torch.Tensor:
     """GRPO: (r - group mean) / (group std + eps), with the unbiased (n - 1) std."""
     _check(rewards)
@@ -74,14 +76,14 @@ def grpo(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + EPS)
 
 
-@register_advantage("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_groups=True)
 def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: r - group mean; no division by the std, which favours easy and hard prompts."""
     _check(rewards)
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
-@register_advantage("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True)
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO: r minus the mean reward of the other samples of the group."""
     _check(rewards)
@@ -122,23 +124,12 @@ class TokenAdvantages:
 TokenAdvantageFn = Callable[[TokenAdvantageInputs], TokenAdvantages]
 
 
-def register_token_advantage(name: str) -> Callable[[TokenAdvantageFn], TokenAdvantageFn]:
-    """Make a token estimator available as ``algorithm.advantage: <name>``."""
-
-    def add(fn: TokenAdvantageFn) -> TokenAdvantageFn:
-        if name in _ADVANTAGES or name in _TOKEN_ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        _TOKEN_ADVANTAGES[name] = fn
-        return fn
-
-    return add
-
-
 def get_token_advantage(name: str) -> TokenAdvantageFn:
     """The token estimator ``name``, or the outcome estimator ``name`` broadcast over the tokens."""
-    if name in _TOKEN_ADVANTAGES:
-        return _TOKEN_ADVANTAGES[name]
-    outcome = get_advantage(name)
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    if estimator.token_level:
+        return cast(TokenAdvantageFn, estimator.fn)
+    outcome = cast(AdvantageFn, estimator.fn)
 
     def broadcast(inputs: TokenAdvantageInputs) -> TokenAdvantages:
         if inputs.token_rewards is not None or inputs.values is not None:
@@ -202,7 +193,7 @@ def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, (values - mean) / (var.sqrt() + EPS), 0.0)
 
 
-@register_token_advantage("reinforce_pp")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", token_level=True)
 def reinforce_pp(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """REINFORCE++ (Hu 2025): r_t = 1[t = end] * r(x, y) + token_rewards_t (the KL penalty
     -beta * KL_t, when given); G_t = sum_{i >= t} gamma^(i - t) r_i; A = (G - mean G) / std G
@@ -213,7 +204,7 @@ def reinforce_pp(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     return TokenAdvantages(advantages=whiten(returns, mask), returns=returns)
 
 
-@register_token_advantage("reinforce_pp_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", token_level=True, needs_groups=True)
 def reinforce_pp_baseline(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """REINFORCE++-baseline (Hu 2025): REINFORCE++ with r(x, y) - mean of its group as the outcome
     reward; then discounted returns and normalisation over the batch as in ``reinforce_pp``.
@@ -225,7 +216,7 @@ def reinforce_pp_baseline(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     return TokenAdvantages(advantages=whiten(returns, mask), returns=returns)
 
 
-@register_token_advantage("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", token_level=True, needs_critic=True, whiten=True)
 def gae(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """GAE (Schulman et al. 2016): delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lambda A_t',
     t' the next action token (V = A = 0 after the last: the episode ends); returns R_t = A_t + V_t.

@@ -29,25 +29,25 @@ from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams, job_key
-from services.trainer import distributed
-from services.trainer.advantages import get_token_advantage
+from services.trainer import distributed, leader
+from services.trainer.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
 from services.trainer.config import TrainerSettings
 from services.trainer.critic import CRITIC_DIR, Critic
-from services.trainer.losses import get_policy_loss, sample_token_weights
+from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import StepStats
 from services.trainer.policy import Policy, deepspeed_config, init_distributed
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
-from services.trainer.regularizers import get_kl_estimator, get_stale_policy
+from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
 
 log = logging.getLogger(__name__)
 
 JOB_GROUP = TRAINERS_GROUP
 TRAJECTORY_GROUP = TRAINER_GROUP
 NO_MIN_VERSION = -(2**63)
-"""Under stale_policy 'downweight' no group is too old to train on."""
+"""Under a stale policy that keeps stale samples (``downweight``) no group is too old to train on."""
 TERMINAL_STATES = frozenset(
     common_pb2.JobState.Name(state)
     for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
@@ -139,10 +139,10 @@ class DropCounts:
 def check_supported(spec: JobSpec) -> None:
     """Fail fast, with the field's name, on a JobSpec this trainer cannot honour."""
     algorithm = spec.algorithm
-    get_token_advantage(algorithm.advantage)
-    get_policy_loss(algorithm.policy_loss)
-    get_kl_estimator(algorithm.kl_estimator)
-    get_stale_policy(algorithm.stale_policy)
+    ADVANTAGE_ESTIMATORS.get(algorithm.advantage)
+    POLICY_LOSSES.get(algorithm.policy_loss)
+    KL_ESTIMATORS.get(algorithm.kl_estimator)
+    STALE_POLICIES.get(algorithm.stale_policy)
     sample_token_weights([1], algorithm.loss_aggregation, spec.rollout.max_new_tokens)
     deepspeed_config(spec.trainer, spec.model.dtype)
 
@@ -255,11 +255,14 @@ class JobRun:
             tokenizer = self.spec.model.tokenizer
             tokenizer_dir = resolve_model_path(tokenizer) if tokenizer else model_dir
         algorithm = self.spec.algorithm
+        estimator = ADVANTAGE_ESTIMATORS.get(algorithm.advantage)
         init_distributed(self.device)
-        if distributed.size() > 1 and algorithm.advantage == "gae":
-            raise ValueError("algorithm.advantage 'gae' needs one trainer process (no sharded critic)")
-        # Every rank loads (distributed.py); the optimiser and schedule resume with the weights.
-        self.policy = distributed.load_policy(
+        if distributed.size() > 1 and estimator.needs_critic:
+            raise ValueError(
+                f"algorithm.advantage {estimator.name!r} needs one trainer process (no sharded critic)"
+            )
+        # Every rank loads (leader.py); the optimiser and schedule resume with the weights.
+        self.policy = leader.load_policy(
             spec=self.spec,
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,
@@ -269,7 +272,7 @@ class JobRun:
         )
         if algorithm.kl_coef > 0:  # the penalty is to the job's base model, also after a resume
             self.reference = ReferenceModel.load(self.spec, base_dir, self.policy.device)
-        if algorithm.advantage == "gae":
+        if estimator.needs_critic:
             saved_critic = resumed.directory / CRITIC_DIR if resumed is not None else None
             critic_dir = saved_critic if saved_critic is not None and saved_critic.is_dir() else base_dir
             self.critic = Critic.load(self.spec, critic_dir, self.policy.device)
@@ -362,9 +365,9 @@ class JobRun:
                     await consumer.dead_letter(delivery, reason)
 
     def _min_version(self) -> int:
-        """The oldest token version a group may have (stale_policy 'drop'; no bound for 'downweight')."""
+        """The oldest token version a group may have (a stale policy that ``drops``; no bound otherwise)."""
         algorithm = self.spec.algorithm
-        if algorithm.stale_policy == "downweight":
+        if not STALE_POLICIES.get(algorithm.stale_policy).drops:
             return NO_MIN_VERSION
         return self.version - algorithm.max_staleness
 

@@ -1,5 +1,5 @@
-"""Policy losses, registered by the name a JobSpec uses (``algorithm.policy_loss``), and the
-token weights of the loss aggregations (``algorithm.loss_aggregation``).
+"""Policy losses, registered in ``POLICY_LOSSES`` by the name a JobSpec uses
+(``algorithm.policy_loss``), and the token weights of the loss aggregations (``algorithm.loss_aggregation``).
 
 A loss sees per-token tensors of one micro-batch and returns ``sum(weights *
 token_loss)``. The weights carry the aggregation over the *whole* rollout
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import AlgorithmConfig
+from services.common.registry import Entry, Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,33 +47,13 @@ class PolicyLossOutput:
 
 PolicyLossFn = Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]
 
-_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[Entry[PolicyLossFn]] = Registry(
+    Entry, kind="policy loss", field="algorithm.policy_loss"
+)
+"""Every policy loss by the name ``algorithm.policy_loss`` uses."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Make a loss available as ``algorithm.policy_loss: <name>``."""
-
-    def add(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _LOSSES:
-            raise ValueError(f"policy loss {name!r} is registered twice")
-        _LOSSES[name] = fn
-        return fn
-
-    return add
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The loss registered as ``name``; ValueError naming the available ones otherwise."""
-    try:
-        return _LOSSES[name]
-    except KeyError:
-        available = ", ".join(sorted(_LOSSES))
-        raise ValueError(
-            f"algorithm.policy_loss {name!r} is not available in this trainer (available: {available})"
-        ) from None
-
-
-@register_policy_loss("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
     """PPO's clipped surrogate, with clip-higher (clip_low != clip_high) and optional dual-clip."""
     mask = inputs.mask
@@ -104,7 +85,7 @@ GSPO_CLIP_HIGH = 4e-4
 """GSPO's upper clip range on the sequence ratio (the paper's 4e-4)."""
 
 
-@register_policy_loss("gspo")
+@POLICY_LOSSES.register("gspo")
 def gspo(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
     """GSPO (Zheng et al. 2025) with algorithm.gspo_clip_low/high (by default the paper's
     ranges, GSPO_CLIP_LOW/HIGH); ``gspo_token`` has the formula."""

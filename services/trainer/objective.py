@@ -27,8 +27,8 @@ from services.trainer.batching import MicroBatch, token_logprobs
 from services.trainer.critic import CriticStats
 from services.trainer.losses import PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
+    KL_ESTIMATORS,
     entropy_bonus,
-    get_kl_estimator,
     kl_loss,
     masked_entropy_sum,
     token_entropy,
@@ -88,7 +88,7 @@ def micro_batch_loss(
     totals.loss_tokens += policy.tokens
     if algorithm.kl_coef > 0:
         with torch.no_grad():
-            per_token = get_kl_estimator(algorithm.kl_estimator)(logprobs, batch.ref_logprobs)
+            per_token = KL_ESTIMATORS.get(algorithm.kl_estimator).fn(logprobs, batch.ref_logprobs)
             totals.kl += _token_sum(per_token, mask)
         if not algorithm.kl_in_reward:
             term = kl_loss(

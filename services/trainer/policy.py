@@ -35,7 +35,7 @@ from services.trainer.batching import (
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
 from services.trainer.critic import Critic
-from services.trainer.losses import get_policy_loss, sample_token_weights
+from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import StepStats, Totals, combine, micro_batch_loss, optimiser_step_plan
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,9 @@ def init_distributed(device: torch.device, timeout: timedelta = DISTRIBUTED_TIME
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed
 
-    from services.trainer.distributed import world_from_env
-
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not torch.distributed.is_initialized():
-        world = world_from_env()
+        world = distributed.world_from_env()
         os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # the DeepSpeed engine reads it
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -234,7 +232,7 @@ class Policy:
         """Several samples per row (trainer.packing, and the model keeps them apart)."""
         self.zero_stage = zero_stage(spec.trainer)
         self.device = torch.device(engine.device)
-        self.loss_fn = get_policy_loss(spec.algorithm.policy_loss)
+        self.loss_fn = POLICY_LOSSES.get(spec.algorithm.policy_loss).fn
 
     @classmethod
     def load(

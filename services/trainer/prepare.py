@@ -4,13 +4,14 @@ For the groups of one step (blocking; run in a thread):
 
 1. old logprobs: the trainer's log p of every response token under the current
    weights (PPO's old policy; the ratio's denominator in every epoch);
-2. reference logprobs (``kl_coef > 0``) and the critic's values (``gae``);
+2. reference logprobs (``kl_coef > 0``) and the critic's values (an estimator that ``needs_critic``);
 3. truncated importance sampling: w = min(p_old / p_behaviour, tis_cap) per token,
    the engine's sampling distribution corrected to the trainer's, and the mismatch
    KL(behaviour || old), measured every step whether TIS is on or not;
 4. advantages per token (``get_token_advantage``, for every estimator; the outcome
    ones broadcast their per-sample value); with ``kl_in_reward`` the KL penalty is
-   each token's reward; GAE's advantages are whitened over the batch;
+   each token's reward; an estimator's advantages are whitened over the batch when it
+   declares ``whiten`` (GAE);
 5. staleness: each sample's lag (trainer version - its oldest token's version)
    beyond ``max_staleness`` drops it or scales its loss weight (``stale_policy``).
 """
@@ -27,11 +28,17 @@ import torch
 
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
-from services.trainer.advantages import TokenAdvantageInputs, TokenAdvantages, get_token_advantage, whiten
+from services.trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    TokenAdvantageInputs,
+    TokenAdvantages,
+    get_token_advantage,
+    whiten,
+)
 from services.trainer.batching import TrainSample, response_mask, response_matrix, unpad
 from services.trainer.critic import Critic
 from services.trainer.reference import ReferenceModel
-from services.trainer.regularizers import get_stale_policy, kl_reward_penalty, truncated_importance_weights
+from services.trainer.regularizers import STALE_POLICIES, kl_reward_penalty, truncated_importance_weights
 
 HISTOGRAM_BUCKETS = 8
 """Staleness histogram: one count per lag 0..7, then one for every larger lag."""
@@ -139,7 +146,9 @@ def prepare(
         raise ValueError("no samples to prepare")
     rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)
     lags = version_lags(groups, version)
-    staleness = get_stale_policy(algorithm.stale_policy)(lags, algorithm.max_staleness, algorithm.stale_decay)
+    staleness = STALE_POLICIES.get(algorithm.stale_policy).fn(
+        lags, algorithm.max_staleness, algorithm.stale_decay
+    )
     mask = response_mask(samples)
     old = policy.response_logprobs(samples)
     old_m = response_matrix(old)
@@ -150,7 +159,7 @@ def prepare(
     )
     estimated = token_advantages(spec, rewards, mask, old_m, ref, values)
     advantages = estimated.advantages
-    if algorithm.advantage == "gae":  # the usual PPO practice; returns (the critic's targets) stay raw
+    if ADVANTAGE_ESTIMATORS.get(algorithm.advantage).whiten:  # PPO's practice for GAE
         advantages = whiten(advantages, mask)
     per_sample = {
         "advantage": unpad(advantages, samples),

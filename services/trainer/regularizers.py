@@ -1,6 +1,7 @@
-"""Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``), the entropy of
-the policy, truncated importance sampling between engine and trainer, and staleness weights
-(``algorithm.stale_policy``). Each is a small function of per-token tensors.
+"""Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``, registered in
+``KL_ESTIMATORS``), the entropy of the policy, truncated importance sampling between engine and
+trainer, and staleness weights (``algorithm.stale_policy``, registered in ``STALE_POLICIES``).
+Each is a small function of per-token tensors.
 
 KL direction: the tokens were sampled from the policy pi, and the estimators
 estimate KL(pi || pi_ref) = E_{x ~ pi}[log pi(x) - log pi_ref(x)] from them,
@@ -14,48 +15,30 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.registry import Entry, Registry
+
 KLEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-_KL_ESTIMATORS: dict[str, KLEstimatorFn] = {}
+KL_ESTIMATORS: Registry[Entry[KLEstimatorFn]] = Registry(
+    Entry, kind="KL estimator", field="algorithm.kl_estimator"
+)
+"""Every KL estimator by the name ``algorithm.kl_estimator`` uses."""
 
 
-def register_kl_estimator(name: str) -> Callable[[KLEstimatorFn], KLEstimatorFn]:
-    """Make an estimator available as ``algorithm.kl_estimator: <name>``."""
-
-    def add(fn: KLEstimatorFn) -> KLEstimatorFn:
-        if name in _KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} is registered twice")
-        _KL_ESTIMATORS[name] = fn
-        return fn
-
-    return add
-
-
-def get_kl_estimator(name: str) -> KLEstimatorFn:
-    """The estimator registered as ``name``; ValueError naming the available ones otherwise."""
-    try:
-        return _KL_ESTIMATORS[name]
-    except KeyError:
-        available = ", ".join(sorted(_KL_ESTIMATORS))
-        raise ValueError(
-            f"algorithm.kl_estimator {name!r} is not available in this trainer (available: {available})"
-        ) from None
-
-
-@register_kl_estimator("k1")
+@KL_ESTIMATORS.register("k1")
 def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = -log r = logp - logp_ref (Schulman, "Approximating KL divergence", 2020): unbiased,
     high variance, negative on some tokens."""
     return logprobs - ref_logprobs
 
 
-@register_kl_estimator("k2")
+@KL_ESTIMATORS.register("k2")
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 (log r)^2 (Schulman 2020): biased, low variance, never negative."""
     return 0.5 * (ref_logprobs - logprobs) ** 2
 
 
-@register_kl_estimator("k3")
+@KL_ESTIMATORS.register("k3")
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 = (r - 1) - log r (Schulman 2020): unbiased, low variance, never negative."""
     log_r = ref_logprobs - logprobs
@@ -78,7 +61,7 @@ def kl_loss(
     """KL as a loss term: coef * sum(weights * k(logp, logp_ref)) over the mask; ``weights`` are
     the aggregation weights of the policy loss (losses.sample_token_weights), so it aggregates
     the same way. The gradient flows through ``logprobs``."""
-    per_token = get_kl_estimator(estimator)(_masked(logprobs, mask), _masked(ref_logprobs, mask))
+    per_token = KL_ESTIMATORS.get(estimator).fn(_masked(logprobs, mask), _masked(ref_logprobs, mask))
     return coef * (_masked(per_token, mask) * _masked(weights, mask)).sum()
 
 
@@ -89,7 +72,7 @@ def kl_reward_penalty(
     """KL folded into the reward: -coef * k(logp, logp_ref) per token, 0 off the mask, no gradient.
     ``logprobs`` are those of the policy that sampled (REINFORCE++ uses k1); pass the result as
     ``advantages.TokenAdvantageInputs.token_rewards``."""
-    per_token = get_kl_estimator(estimator)(_masked(logprobs, mask), _masked(ref_logprobs, mask))
+    per_token = KL_ESTIMATORS.get(estimator).fn(_masked(logprobs, mask), _masked(ref_logprobs, mask))
     return _masked(-coef * per_token, mask)
 
 
@@ -172,30 +155,19 @@ class StalenessWeights:
 
 StalenessFn = Callable[[Sequence[int], int, float], StalenessWeights]
 
-_STALENESS: dict[str, StalenessFn] = {}
+
+@dataclass(frozen=True, slots=True)
+class StalePolicy(Entry[StalenessFn]):
+    """A stale policy and what the trainer may assume of it."""
+
+    drops: bool = False
+    """Samples beyond max_staleness are never trained on, so older groups need not be collected."""
 
 
-def register_stale_policy(name: str) -> Callable[[StalenessFn], StalenessFn]:
-    """Make a policy available as ``algorithm.stale_policy: <name>``."""
-
-    def add(fn: StalenessFn) -> StalenessFn:
-        if name in _STALENESS:
-            raise ValueError(f"stale policy {name!r} is registered twice")
-        _STALENESS[name] = fn
-        return fn
-
-    return add
-
-
-def get_stale_policy(name: str) -> StalenessFn:
-    """The policy registered as ``name``; ValueError naming the available ones otherwise."""
-    try:
-        return _STALENESS[name]
-    except KeyError:
-        available = ", ".join(sorted(_STALENESS))
-        raise ValueError(
-            f"algorithm.stale_policy {name!r} is not available in this trainer (available: {available})"
-        ) from None
+STALE_POLICIES: Registry[StalePolicy] = Registry(
+    StalePolicy, kind="stale policy", field="algorithm.stale_policy"
+)
+"""Every stale policy by the name ``algorithm.stale_policy`` uses."""
 
 
 def _stale(lags: Sequence[int], max_staleness: int) -> list[bool]:
@@ -204,7 +176,7 @@ def _stale(lags: Sequence[int], max_staleness: int) -> list[bool]:
     return [lag > max_staleness for lag in lags]
 
 
-@register_stale_policy("drop")
+@STALE_POLICIES.register("drop", drops=True)
 def drop_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
     """Samples whose version lag (trainer version - oldest token version) exceeds max_staleness
     are dropped; the rest keep weight 1. ``decay`` is unused (same signature as downweight)."""
@@ -219,7 +191,7 @@ def drop_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> S
     )
 
 
-@register_stale_policy("downweight")
+@STALE_POLICIES.register("downweight")
 def downweight_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
     """Samples beyond max_staleness stay, weighted decay ** (lag - max_staleness), so the
     weight falls geometrically with every version past the allowed window."""

@@ -1,7 +1,7 @@
 """The trainer process: the ``verst.v1.Trainer`` gRPC service beside the job consumer loop.
 
 One process by default. Under a launcher (``torchrun --nproc_per_node=N -m services.trainer``)
-rank 0 is this service and the other ranks follow it (services/trainer/distributed.py).
+rank 0 is this service and the other ranks follow it (services/trainer/leader.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from services.common.grpc_server import Register, serve
 from services.common.pb import trainer_pb2, trainer_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.trainer.config import TrainerSettings
-from services.trainer.distributed import World, follow, start_leader, world_from_env
+from services.trainer.distributed import World, world_from_env
 from services.trainer.job import CheckpointUnavailable
+from services.trainer.leader import follow, start_leader
 from services.trainer.worker import NoJobError, TrainerWorker
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name

@@ -10,12 +10,11 @@ import torch
 
 from services.trainer import advantages
 from services.trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
     EPS,
     TokenAdvantageInputs,
     get_advantage,
     get_token_advantage,
-    register_advantage,
-    register_token_advantage,
 )
 from services.trainer.regularizers import kl_reward_penalty
 
@@ -77,11 +76,11 @@ def test_a_token_estimator_is_not_served_as_an_outcome_one() -> None:
 
 def test_an_estimator_cannot_be_registered_twice() -> None:
     with pytest.raises(ValueError, match="registered twice"):
-        register_advantage("grpo")(advantages.grpo)
+        ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)(advantages.grpo)
     with pytest.raises(ValueError, match="registered twice"):
-        register_token_advantage("grpo")(advantages.gae)
+        ADVANTAGE_ESTIMATORS.register("grpo", token_level=True)(advantages.gae)
     with pytest.raises(ValueError, match="registered twice"):
-        register_advantage("gae")(advantages.grpo)
+        ADVANTAGE_ESTIMATORS.register("gae")(advantages.grpo)
 
 
 def test_rewards_must_be_groups_of_at_least_two() -> None:

@@ -15,9 +15,9 @@ from services.trainer.batching import TrainSample, collate, pack_micro_batches, 
 from services.trainer.losses import (
     GSPO_CLIP_HIGH,
     GSPO_CLIP_LOW,
+    POLICY_LOSSES,
     PolicyLossInputs,
     ValueLossInputs,
-    get_policy_loss,
     gspo_token,
     sample_token_weights,
     value_loss,
@@ -64,7 +64,7 @@ def reference(inputs: PolicyLossInputs, low: float, high: float, dual: float | N
 def test_ppo_clip_matches_the_formula(seed: int, low: float, high: float, dual: float | None) -> None:
     inputs = random_inputs(seed)
     algorithm = AlgorithmConfig(clip_low=low, clip_high=high, dual_clip=dual)
-    out = get_policy_loss("ppo_clip")(inputs, algorithm)
+    out = POLICY_LOSSES.get("ppo_clip").fn(inputs, algorithm)
     loss, clip_fraction, approx_kl = reference(inputs, low, high, dual)
     assert float(out.loss) == pytest.approx(loss, abs=1e-6)
     assert out.clip_fraction == pytest.approx(clip_fraction, abs=1e-6)
@@ -77,7 +77,7 @@ def test_ppo_clip_gradient_flows_only_through_unclipped_masked_tokens() -> None:
     inputs = random_inputs(7)
     logprobs = inputs.logprobs.clone().requires_grad_(True)
     params = {f: getattr(inputs, f) for f in ("behaviour_logprobs", "advantages", "mask", "weights")}
-    out = get_policy_loss("ppo_clip")(PolicyLossInputs(logprobs=logprobs, **params), AlgorithmConfig())
+    out = POLICY_LOSSES.get("ppo_clip").fn(PolicyLossInputs(logprobs=logprobs, **params), AlgorithmConfig())
     out.loss.backward()
     assert logprobs.grad is not None
     assert torch.all(logprobs.grad[~inputs.mask] == 0)
@@ -91,14 +91,14 @@ def test_with_ratio_one_the_loss_is_minus_the_mean_advantage() -> None:
     same = PolicyLossInputs(
         inputs.behaviour_logprobs, inputs.behaviour_logprobs, inputs.advantages, inputs.mask, inputs.weights
     )
-    out = get_policy_loss("ppo_clip")(same, AlgorithmConfig())
+    out = POLICY_LOSSES.get("ppo_clip").fn(same, AlgorithmConfig())
     assert float(out.loss) == pytest.approx(-float(inputs.advantages[inputs.mask].mean()), abs=1e-9)
     assert out.clip_fraction == 0.0 and out.approx_kl == pytest.approx(0.0, abs=1e-12)
 
 
 def test_unknown_policy_loss_names_the_available_ones() -> None:
     with pytest.raises(ValueError, match=r"'cispo' is not available.*gspo, ppo_clip"):
-        get_policy_loss("cispo")
+        POLICY_LOSSES.get("cispo")
 
 
 def test_sample_token_weights_aggregate_as_named() -> None:
@@ -177,7 +177,7 @@ def test_micro_batch_gradients_add_up_to_the_full_batch_gradient(aggregation: st
         for _ in range(9)
     ]  # fmt: skip
     weights = sample_token_weights([s.loss_tokens for s in samples], aggregation, 8)
-    loss_fn = get_policy_loss("ppo_clip")
+    loss_fn = POLICY_LOSSES.get("ppo_clip").fn
 
     def gradient(budget: int) -> tuple[list[torch.Tensor], float]:
         model = TinyLM()
@@ -258,7 +258,7 @@ def test_gspo_matches_the_sequence_level_formula(
 
 def test_registered_gspo_uses_the_papers_clip_ranges() -> None:
     inputs = sequence_inputs(4, 2e-3, "sequence_mean")
-    out = get_policy_loss("gspo")(inputs, AlgorithmConfig(clip_low=0.2, clip_high=0.2))
+    out = POLICY_LOSSES.get("gspo").fn(inputs, AlgorithmConfig(clip_low=0.2, clip_high=0.2))
     assert float(out.loss) == pytest.approx(gspo_reference(inputs, 3e-4, 4e-4)[0], abs=1e-6)
 
 
@@ -359,7 +359,7 @@ def test_policy_losses_improve_their_objective(loss_name: str) -> None:
         inputs = PolicyLossInputs(logprobs_of(param), behaviour, advantages, mask, weights)
         if loss_name == "gspo_wide":
             return gspo_token(inputs, 0.2, 0.2).loss
-        return get_policy_loss(loss_name)(inputs, AlgorithmConfig()).loss
+        return POLICY_LOSSES.get(loss_name).fn(inputs, AlgorithmConfig()).loss
 
     seen = sgd_losses(objective, logits.clone())
     assert seen[-1] < seen[0]

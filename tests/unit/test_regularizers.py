@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from services.trainer.regularizers import (
+    KL_ESTIMATORS,
+    STALE_POLICIES,
     entropy_bonus,
-    get_kl_estimator,
-    get_stale_policy,
     kl_loss,
     kl_reward_penalty,
     masked_entropy_sum,
-    register_kl_estimator,
-    register_stale_policy,
     token_entropy,
     truncated_importance_weights,
 )
@@ -55,7 +53,7 @@ def masked_cells(mask: torch.Tensor) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kl_estimators_match_their_formulas(name: str, seed: int) -> None:
     logp, ref, mask, weights = per_token_case(seed)
-    got = get_kl_estimator(name)(logp, ref)
+    got = KL_ESTIMATORS.get(name).fn(logp, ref)
     for i, j in masked_cells(mask):
         assert float(got[i, j]) == pytest.approx(
             kl_reference(name, float(logp[i, j]), float(ref[i, j])), abs=1e-6
@@ -74,7 +72,7 @@ def test_kl_estimators_match_their_formulas(name: str, seed: int) -> None:
 
 def test_k2_and_k3_are_never_negative_and_k1_sometimes_is() -> None:
     logp, ref, mask, _ = per_token_case(3)
-    values = {name: get_kl_estimator(name)(logp, ref)[mask] for name in ("k1", "k2", "k3")}
+    values = {name: KL_ESTIMATORS.get(name).fn(logp, ref)[mask] for name in ("k1", "k2", "k3")}
     assert (values["k2"] >= 0).all() and (values["k3"] >= 0).all()
     assert (values["k1"] < 0).any()
 
@@ -89,15 +87,15 @@ def test_unbiased_estimators_estimate_kl_of_the_policy_to_the_reference(name: st
     reverse = sum(q * math.log(q / p) for p, q in zip(pi.tolist(), pi_ref.tolist(), strict=True))
     assert abs(forward - reverse) > 0.2  # the test tells the directions apart
     tokens = torch.multinomial(pi, 200_000, replacement=True, generator=gen)
-    estimate = float(get_kl_estimator(name)(pi.log()[tokens], pi_ref.log()[tokens]).mean())
+    estimate = float(KL_ESTIMATORS.get(name).fn(pi.log()[tokens], pi_ref.log()[tokens]).mean())
     assert estimate == pytest.approx(forward, abs=0.02)
 
 
 def test_kl_registry_names_the_available_estimators() -> None:
     with pytest.raises(ValueError, match=r"'k4' is not available.*k1, k2, k3"):
-        get_kl_estimator("k4")
+        KL_ESTIMATORS.get("k4")
     with pytest.raises(ValueError, match="registered twice"):
-        register_kl_estimator("k3")(get_kl_estimator("k1"))
+        KL_ESTIMATORS.register("k3")(KL_ESTIMATORS.get("k1").fn)
 
 
 def entropy_reference(row: list[float]) -> float:
@@ -172,8 +170,8 @@ def test_importance_weights_of_matching_logprobs_are_one_with_no_mismatch() -> N
 def test_staleness_weights_follow_the_policy(seed: int, max_staleness: int) -> None:
     rng = random.Random(seed)
     lags = [rng.randint(0, 6) for _ in range(20)]
-    drop = get_stale_policy("drop")(lags, max_staleness)
-    down = get_stale_policy("downweight")(lags, max_staleness, 0.7)
+    drop = STALE_POLICIES.get("drop").fn(lags, max_staleness)
+    down = STALE_POLICIES.get("downweight").fn(lags, max_staleness, 0.7)
     fresh = sum(1 for lag in lags if lag <= max_staleness)
     assert drop.keep == [lag <= max_staleness for lag in lags]
     assert drop.weights == [1.0 if lag <= max_staleness else 0.0 for lag in lags]
@@ -186,13 +184,13 @@ def test_staleness_weights_follow_the_policy(seed: int, max_staleness: int) -> N
 
 def test_staleness_rejects_bad_lags_and_unknown_policies() -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
-        get_stale_policy("drop")([0, -1], 1)
+        STALE_POLICIES.get("drop").fn([0, -1], 1)
     with pytest.raises(ValueError, match="decay must be in"):
-        get_stale_policy("downweight")([0, 3], 1, 1.5)
+        STALE_POLICIES.get("downweight").fn([0, 3], 1, 1.5)
     with pytest.raises(ValueError, match=r"'fifo' is not available.*downweight, drop"):
-        get_stale_policy("fifo")
+        STALE_POLICIES.get("fifo")
     with pytest.raises(ValueError, match="registered twice"):
-        register_stale_policy("drop")(get_stale_policy("downweight"))
+        STALE_POLICIES.register("drop")(STALE_POLICIES.get("downweight").fn)
 
 
 # --- the loss terms improve their objectives under a few SGD steps -----------------------------

@@ -21,7 +21,7 @@ from services.common.pb import common_pb2
 from services.trainer.batching import TrainSample, collate, token_logprobs
 from services.trainer.checkpoints import CheckpointStore
 from services.trainer.collector import GroupCollector, Outcome
-from services.trainer.losses import get_policy_loss
+from services.trainer.losses import POLICY_LOSSES
 from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
 from services.trainer.policy import learning_rate_schedule
 from services.trainer.prepare import prepare
@@ -160,7 +160,7 @@ def test_optimiser_steps_cover_every_sample_once_per_epoch() -> None:
 
 def objective(algorithm: AlgorithmConfig, batch: Any, logits: torch.Tensor) -> tuple[torch.Tensor, Totals]:
     totals = Totals()
-    loss = micro_batch_loss(logits, batch, algorithm, get_policy_loss(algorithm.policy_loss), totals)
+    loss = micro_batch_loss(logits, batch, algorithm, POLICY_LOSSES.get(algorithm.policy_loss).fn, totals)
     return loss, totals
 
 

@@ -25,7 +25,17 @@ from services.reward.config import RewardSettings
 from services.reward.math_verifier import MathVerifier
 from services.reward.plugins import PluginError, PluginResultError, Plugins, to_result
 from services.reward.server import RewardServicer
-from services.reward.verifiers import VERIFIERS, NumericVerifier, exact_match, last_number
+from services.reward.task_verifiers import TASK_VERIFIERS
+from services.reward.verifiers import (
+    VERIFIER_REGISTRY,
+    VERIFIERS,
+    NumericVerifier,
+    VerifierOptions,
+    builtin_verifiers,
+    exact_match,
+    last_number,
+)
+from services.tasks.catalog import TASKS
 
 HERE = "tests.unit.test_verifiers"
 
@@ -88,6 +98,24 @@ def test_numeric_without_a_number() -> None:
     )
     with pytest.raises(ValueError, match="has no number"):
         VERIFIERS["numeric"]("12", "twelve", {})
+
+
+def test_the_registry_holds_every_builtin_verifier() -> None:
+    names = {"exact_match", "numeric", "math", "code", *TASKS, *TASK_VERIFIERS}
+    assert set(VERIFIER_REGISTRY.names()) == names == set(VERIFIERS)
+    assert VERIFIER_REGISTRY.where(configurable=True) == {"numeric", "math", "code"}
+    assert VERIFIER_REGISTRY.get("exact_match").fn is exact_match is VERIFIERS["exact_match"]
+    for name, verify in TASK_VERIFIERS.items():  # the metadata-reading one, not the task's generic one
+        assert VERIFIERS[name] is verify
+    with pytest.raises(ValueError, match=r"reward.verifier 'fuzzy' is not available in this reward service"):
+        VERIFIER_REGISTRY.get("fuzzy")
+
+
+def test_configurable_verifiers_take_the_services_options() -> None:
+    numeric = builtin_verifiers(VerifierOptions(numeric_rel_tol=0.1, numeric_abs_tol=0.0))["numeric"]
+    assert numeric == NumericVerifier(0.1, 0.0)
+    assert numeric("10.5", "10", {})[0] == 1.0
+    assert VERIFIERS["numeric"]("10.5", "10", {})[0] == 0.0
 
 
 # --- math ---------------------------------------------------------------------------------------
