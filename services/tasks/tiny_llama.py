@@ -138,7 +138,7 @@ def generate_texts(
 
 
 class BuildRecipe(Protocol):
-    """The recipe fields every builtin model's build reads; it is also a dataclass."""
+    """What every builtin model's build reads of its recipe, a dataclass (saved whole in verst.json)."""
 
     init_seed: int
 
@@ -172,7 +172,7 @@ def build_tiny_llama(
         "name": name,
         "recipe_hash": recipe.digest(name),
         **versions,
-        "recipe": dataclasses.asdict(recipe),  # type: ignore[call-overload]
+        "recipe": dataclasses.asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
         **results,
         "build_seconds": round(time.monotonic() - started, 2),
