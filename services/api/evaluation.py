@@ -25,7 +25,7 @@ from services.common.pb import (
     router_pb2,
     router_pb2_grpc,
 )
-from services.tasks.catalog import PromptExample, PromptTooLongError, encode_prompt
+from services.tasks import PromptExample, PromptTooLongError, encode_prompt
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from services.common.consumer import StreamConsumer
 from services.common.jobs import CANCELLED, FAILED, RUNNING, SUCCEEDED, JobRecord, load_job_tokenizer
 from services.common.pb import common_pb2, router_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
-from services.tasks.catalog import DataError, PromptExample, eval_prompts
+from services.tasks import DataError, PromptExample, eval_prompts
 
 if TYPE_CHECKING:
     from services.api.controller import Controller

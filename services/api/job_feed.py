@@ -16,14 +16,14 @@ from typing import Any
 
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
-from services.tasks.catalog import PromptExample, PromptTooLongError, encode_prompt, train_prompts
+from services.tasks import PromptExample, PromptTooLongError, encode_prompt, train_prompts
 
 log = logging.getLogger(__name__)
 
 
 class PromptFeed:
     """Builds a job's PromptTasks. Reading the data source happens (and fails, with
-    services.tasks.catalog.DataError) when the feed is made."""
+    services.tasks.DataError) when the feed is made."""
 
     def __init__(self, spec: JobSpec, job_id: str, tokenizer: Any, *, consumed: int = 0) -> None:
         self.spec = spec

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from services.tasks.catalog import get_task
+from services.tasks import get_task
 
 TaskVerifierResult = tuple[float, dict[str, float], dict[str, str]]
 """(reward, components, info), as ``verifiers.VerifierResult``."""

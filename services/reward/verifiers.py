@@ -36,7 +36,7 @@ from services.reward.code_verifier import CodeVerifier
 from services.reward.math_verifier import MathVerifier
 from services.reward.sandbox import SandboxConfig
 from services.reward.task_verifiers import TASK_VERIFIERS
-from services.tasks.catalog import TASKS, Task
+from services.tasks import TASKS, Task
 
 VerifierResult = tuple[float, dict[str, float], dict[str, str]]
 """(reward, components, info)."""

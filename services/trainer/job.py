@@ -242,7 +242,7 @@ class JobRun:
 
     def _load(self) -> SavedCheckpoint | None:
         """Blocking: the newest checkpoint of this job if there is one, else the base model."""
-        from services.tasks.basemodel import resolve_model_path  # builds a builtin model on demand
+        from services.tasks import resolve_model_path  # builds a builtin model on demand
 
         self.store.remove_partial()
         resumed = self.store.latest()

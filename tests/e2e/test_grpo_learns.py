@@ -62,7 +62,7 @@ def trained_ids(checkpoint_dir: Path, job_id: str) -> list[list[str]]:
 
 
 def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
-    from services.tasks.basemodel import resolve_model_path
+    from services.tasks import resolve_model_path
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     checkpoints = tmp_path / "runs"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.common.config import parse_job_spec
-from services.tasks.basemodel import build_char_tokenizer
+from services.tasks.addition_model import build_char_tokenizer
 from services.trainer import distributed
 from services.trainer.batching import TrainSample
 from services.trainer.policy import Policy, init_distributed

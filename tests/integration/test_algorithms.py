@@ -20,7 +20,7 @@ from services.common.bus import Bus
 from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
-from services.tasks.basemodel import build_char_tokenizer
+from services.tasks.addition_model import build_char_tokenizer
 from services.trainer.checkpoints import TRAINED_IDS_FILE
 from services.trainer.critic import CRITIC_DIR, HEAD_FILE, Critic
 from services.trainer.job import TRAJECTORY_GROUP

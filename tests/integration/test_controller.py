@@ -21,7 +21,7 @@ from services.common.config import JobSpec
 from services.common.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobStore
 from services.common.pb import common_pb2
 from services.common.streams import RUNNERS_GROUP, JobStreams
-from services.tasks.catalog import encode_prompt, eval_prompts
+from services.tasks import encode_prompt, eval_prompts
 from tests.helpers import eventually, stream_messages
 from tests.integration.test_runner import (
     FakeReward,

@@ -32,8 +32,8 @@ from services.runner.config import RunnerSettings
 from services.runner.episode import turn_seed
 from services.runner.group import resume_seed
 from services.runner.server import GROUP, Runner
-from services.tasks.basemodel import SPECIAL_TOKENS
-from services.tasks.catalog import encode_prompt
+from services.tasks import encode_prompt
+from services.tasks.tiny_llama import SPECIAL_TOKENS
 from tests.helpers import eventually, serve, stream_messages
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,8 +26,8 @@ from services.reward.config import RewardSettings
 from services.reward.server import RewardServicer
 from services.runner.config import RunnerSettings
 from services.runner.server import Runner
-from services.tasks.basemodel import build_char_tokenizer
-from services.tasks.catalog import encode_prompt
+from services.tasks import encode_prompt
+from services.tasks.addition_model import build_char_tokenizer
 from tests.helpers import eventually, serve, stream_messages
 from tests.integration.rollout_helpers import (
     RunningEngine,

@@ -94,7 +94,7 @@ async def builtin_reward() -> AsyncIterator[tuple[CountingReward, str]]:
 
 @pytest.fixture
 def tokenizer_dir(tmp_path: Path) -> Path:
-    from services.tasks.basemodel import build_char_tokenizer
+    from services.tasks.addition_model import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(tmp_path)
     return tmp_path

@@ -32,7 +32,7 @@ from services.common.redis_server import free_port
 from services.common.streams import JobStreams
 from services.runner.config import RunnerSettings
 from services.runner.server import GROUP, Runner
-from services.tasks.catalog import encode_prompt
+from services.tasks import encode_prompt
 from tests.helpers import eventually, serve, stream_messages
 
 ENGINE_ID = "fake-engine-1"
@@ -128,7 +128,7 @@ class FakeReward(reward_pb2_grpc.RewardServicer):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint-like directory holding the builtin character tokenizer."""
-    from services.tasks.basemodel import build_char_tokenizer
+    from services.tasks.addition_model import build_char_tokenizer
 
     directory = tmp_path_factory.mktemp("checkpoint-v0")
     build_char_tokenizer().save_pretrained(directory)

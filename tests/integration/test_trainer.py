@@ -25,7 +25,7 @@ from services.common.bus import Bus
 from services.common.config import parse_job_spec
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.streams import JOBS, JobStreams, job_key
-from services.tasks.basemodel import build_char_tokenizer
+from services.tasks.addition_model import build_char_tokenizer
 from services.trainer.batching import TrainSample
 from services.trainer.checkpoints import TRAINED_IDS_FILE
 from services.trainer.config import TrainerSettings

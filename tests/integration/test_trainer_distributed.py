@@ -22,7 +22,7 @@ from services.common.config import TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2
 from services.common.redis_server import free_port
 from services.common.streams import JOBS, JobStreams
-from services.tasks.basemodel import build_char_tokenizer
+from services.tasks.addition_model import build_char_tokenizer
 from services.trainer import distributed
 from services.trainer.batching import plan_micro_batches
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE

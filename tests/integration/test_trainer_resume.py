@@ -20,7 +20,7 @@ from services.common.bus import Bus
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.streams import JOBS, JobStreams
-from services.tasks.basemodel import build_char_tokenizer
+from services.tasks.addition_model import build_char_tokenizer
 from services.trainer.checkpoints import TRAINED_IDS_FILE, TRAINING_STATE_DIR
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from tests.helpers import eventually, stream_messages

@@ -12,14 +12,14 @@ from services.common.config import load_job_spec
 from services.common.pb import common_pb2
 from services.reward.task_verifiers import verify_multiply
 from services.reward.verifiers import VERIFIERS
-from services.tasks.catalog import (
+from services.tasks import TASKS, builtin_model, get_task
+from services.tasks.multiply import (
     MULTIPLY_EVAL_SIZE,
     MultiplyProblem,
-    get_task,
+    ToolRecipe,
     multiply_eval_problems,
     multiply_train_problems,
 )
-from services.tasks.toolmodel import TOOL_MODELS
 from services.trainer.collector import Group
 from services.trainer.job import tool_use_rate
 
@@ -42,7 +42,9 @@ def test_multiply_prompts_answers_and_disjoint_splits() -> None:
 
 
 def test_multiply_verifier_scores_the_answer_and_reports_tool_use() -> None:
+    assert get_task("multiply").verifier == "multiply"
     assert VERIFIERS["multiply"] is verify_multiply
+    assert all(task.verifier in VERIFIERS for task in TASKS.values())
     reward, components, info = verify_multiply(" 287663\n", "287663", {"tool_calls": "1", "tool_errors": "0"})
     assert reward == 1.0
     assert components == {"correct": 1.0, "format": 1.0, "used_tool": 1.0, "tool_errors": 0.0}
@@ -57,14 +59,15 @@ def test_multiply_verifier_scores_the_answer_and_reports_tool_use() -> None:
 
 def test_the_example_spec_runs_the_multiply_task_with_the_python_tool() -> None:
     spec = load_job_spec(EXAMPLE)
-    assert spec.model.path == "builtin:multiply" and "multiply" in TOOL_MODELS
+    recipe = builtin_model("multiply").recipe
+    assert spec.model.path == "builtin:multiply" and isinstance(recipe, ToolRecipe)
     assert spec.data.train == spec.data.eval == "builtin:multiply"
     assert spec.reward.verifier == "multiply"
     assert spec.rollout.max_turns == 3 and spec.rollout.tools == ["python"]
     # The warm-up showed the model this observation text; the job must show it the same.
-    assert spec.rollout.tool_observation == TOOL_MODELS["multiply"].observation
+    assert spec.rollout.tool_observation == recipe.observation
     assert spec.rollout.tool_call_format in ("hermes", "auto")
-    assert spec.rollout.max_new_tokens + 17 <= TOOL_MODELS["multiply"].max_position_embeddings
+    assert spec.rollout.max_new_tokens + 17 <= recipe.max_position_embeddings
 
 
 def _group(tool_calls: list[str | None]) -> Group:

@@ -9,22 +9,25 @@ from pathlib import Path
 import pytest
 
 from services.common.config import DataConfig
-from services.tasks.basemodel import build_char_tokenizer
-from services.tasks.catalog import (
-    ADDITION_EVAL_SIZE,
-    AdditionProblem,
+from services.tasks import (
+    TASKS,
     DataError,
     PromptExample,
     PromptTooLongError,
-    addition_eval_problems,
-    addition_train_problems,
     encode_prompt,
     eval_prompts,
     get_task,
     read_jsonl_prompts,
-    score_addition,
     train_prompts,
 )
+from services.tasks.addition import (
+    ADDITION_EVAL_SIZE,
+    AdditionProblem,
+    addition_eval_problems,
+    addition_train_problems,
+    score_addition,
+)
+from services.tasks.addition_model import build_char_tokenizer
 
 
 def test_answer_is_the_sum_least_significant_digit_first() -> None:
@@ -78,7 +81,12 @@ def test_score_addition(response: str, reward: float, fmt: float) -> None:
 
 def test_task_registry() -> None:
     assert get_task("addition").score is score_addition
-    with pytest.raises(DataError, match=r"unknown task 'subtraction'; known tasks: addition"):
+    assert {name: (task.name, task.verifier) for name, task in TASKS.items()} == {
+        "addition": ("addition", "addition"),
+        "multiply": ("multiply", "multiply"),
+    }
+    assert all(task.base_model is not None for task in TASKS.values())
+    with pytest.raises(DataError, match=r"unknown task 'subtraction'; known tasks: addition, multiply$"):
         get_task("subtraction")
     with pytest.raises(DataError, match="unknown task"):
         next(train_prompts(DataConfig(train="builtin:subtraction"), seed=0))

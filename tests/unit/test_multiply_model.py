@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,25 +13,24 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from services.common import toolmodel
 from services.common.config import RolloutConfig
 from services.runner.episode import render_observation
 from services.runner.toolcalls import formats_of, parse_tool_calls
-from services.tasks.basemodel import STAMP_FILE, read_stamp, resolve_model_path
-from services.tasks.catalog import MultiplyProblem, encode_prompt, multiply_eval_problems
-from services.tasks.toolmodel import (
+from services.tasks import ensure_builtin_model, multiply_model, resolve_model_path
+from services.tasks.models import STAMP_FILE, Recipe, read_stamp
+from services.tasks.multiply import (
+    MultiplyProblem,
     ToolRecipe,
-    build_tool_tokenizer,
-    continue_texts,
     encode_transcript,
-    ensure_tool_model,
     guess_transcript,
+    multiply_eval_problems,
     python_code_of,
-    tool_llama_config,
     tool_transcript,
-    warm_up_tools,
     warmup_transcripts,
 )
+from services.tasks.multiply_model import END_OF_CALL, build_tool_tokenizer, tool_llama_config, warm_up_tools
+from services.tasks.prompts import encode_prompt
+from services.tasks.tiny_llama import generate_texts
 
 TINY = ToolRecipe(
     hidden_size=16,
@@ -120,9 +120,11 @@ def test_recipe_digest_names_the_recipe() -> None:
     assert ToolRecipe().digest("multiply") != ToolRecipe().digest("other")
 
 
-def test_build_is_cached_deterministic_and_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = ensure_tool_model("multiply", tmp_path / "a", recipe=TINY, progress=False)
-    second = ensure_tool_model("multiply", tmp_path / "b", recipe=TINY, progress=False)
+def test_build_is_cached_deterministic_and_resolves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, builtin_recipe: Callable[[str, Recipe], None]
+) -> None:
+    first = ensure_builtin_model("multiply", tmp_path / "a", recipe=TINY, progress=False)
+    second = ensure_builtin_model("multiply", tmp_path / "b", recipe=TINY, progress=False)
     weights_a, weights_b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
@@ -134,10 +136,12 @@ def test_build_is_cached_deterministic_and_resolves(tmp_path: Path, monkeypatch:
     assert {"model.safetensors", "tokenizer.json", STAMP_FILE} <= {p.name for p in first.iterdir()}
     assert AutoTokenizer.from_pretrained(first)("\n", add_special_tokens=False)["input_ids"] == [4]
 
-    # builtin:multiply resolves through basemodel to this cache, without building again.
+    # builtin:multiply resolves through the task catalog to this cache, without building again.
     monkeypatch.setenv("VERST_CACHE", str(tmp_path / "a"))
-    monkeypatch.setitem(toolmodel.TOOL_MODELS, "multiply", TINY)
-    monkeypatch.setattr(toolmodel, "build_tool_model", lambda *a, **k: pytest.fail("rebuilt a cached model"))
+    builtin_recipe("multiply", TINY)
+    monkeypatch.setattr(
+        multiply_model, "build_tool_model", lambda *a, **k: pytest.fail("rebuilt a cached model")
+    )
     assert resolve_model_path("builtin:multiply") == first
 
 
@@ -154,7 +158,7 @@ def test_a_short_warm_up_emits_parseable_tool_calls() -> None:
         warm_up_tools(model, tokenizer, recipe, progress=False)
         problems = multiply_eval_problems()[:8]
         prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-        turns = continue_texts(model, tokenizer, prompts, 90, sample=False)
+        turns = generate_texts(model, tokenizer, prompts, 90, sample=False, cut_after=END_OF_CALL)
     calls = [parse_tool_calls(turn, formats_of("hermes")) for turn in turns]
     well_formed = [c for c in calls if len(c) == 1 and not c[0].error and c[0].name == "python"]
     assert len(well_formed) >= 6, turns
