@@ -163,11 +163,11 @@ def make_code_verifier(options: VerifierOptions) -> Verifier:
 
 
 def _register_tasks() -> None:
-    """Every built-in task under its name; a task verifier that reads the episode's metadata
-    (``task_verifiers.py``) takes the place of the task's generic one."""
-    for name, task in TASKS.items():
-        if name not in TASK_VERIFIERS:
-            VERIFIER_REGISTRY.register(name)(task_verifier(task))
+    """Every built-in task's verifier under the name the task declares; a task verifier that
+    reads the episode's metadata (``task_verifiers.py``) takes the place of the generic one."""
+    for task in TASKS.values():
+        if task.verifier not in TASK_VERIFIERS:
+            VERIFIER_REGISTRY.register(task.verifier)(task_verifier(task))
     for name, verify in TASK_VERIFIERS.items():
         VERIFIER_REGISTRY.register(name)(verify)
 
