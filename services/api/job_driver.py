@@ -130,6 +130,8 @@ class JobDriver:
         """Followers, the watchdog, the issuer and the evaluator: a crash of one ends run."""
         self._issuing: list[asyncio.Future[None]] = []
         """The issuer and the periodic evaluator, which run while the job is RUNNING."""
+        self._metrics_task: asyncio.Future[None] = loop.create_future()
+        """The metrics follower, which drains what is published when the driver winds down."""
 
     def stop(self) -> None:
         """Wind down without touching the job's state (it was cancelled, or the api stops)."""
@@ -150,7 +152,7 @@ class JobDriver:
             if handle is not None:
                 self._first_handle.set_result(handle)
         log.info("driving %s (%s)", self.job_id, "resumed" if self.resumed else "new")
-        metrics_task = asyncio.create_task(self._follow_metrics())
+        self._metrics_task = asyncio.create_task(self._follow_metrics())
         followers = [self._follow_checkpoints, self._follow_status, self._follow_control]
         for follower in [*followers, self._follow_dead_letters, self._watchdog]:
             self._spawn(follower())
@@ -159,7 +161,7 @@ class JobDriver:
                 self.phase = await self._advance()
                 log.info("%s: %s", self.job_id, self.phase.value)
         finally:
-            await self._wind_down(metrics_task)
+            await self._wind_down()
         outcome = self._outcome.result() if self._outcome.done() else None
         if outcome is None:
             log.info("%s: stopped driving", self.job_id)
@@ -180,21 +182,21 @@ class JobDriver:
         try:
             await self._until(work)
         finally:
-            if not work.done():
+            if not work.done():  # its cancellation may be lost in redis-py: wait with a deadline
                 work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                await asyncio.wait([work], timeout=DRAIN_TIMEOUT_S)
         if self._outcome.done():
             return Phase.DONE
         return work.result()
 
     async def _until(self, work: asyncio.Future[Any]) -> None:
         """Wait for ``work`` or the job's outcome; re-raise the error of a helper that crashed."""
-        waiting: set[asyncio.Future[Any]] = {self._outcome, work, *self._helpers}
+        helpers = [self._metrics_task, *self._helpers]
+        waiting: set[asyncio.Future[Any]] = {self._outcome, work, *helpers}
         while not (self._outcome.done() or work.done()):
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task in self._helpers and not task.cancelled() and task.exception() is not None:
+                if task in helpers and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
 
     async def _wait_for_v0(self) -> Phase:
@@ -250,13 +252,13 @@ class JobDriver:
         self._helpers.append(task)
         return task
 
-    async def _wind_down(self, metrics_task: asyncio.Future[None]) -> None:
+    async def _wind_down(self) -> None:
         """Stop the helpers; let the metrics follower record what is already published."""
         self._stopping.set()
         self._draining = True
         for task in self._helpers:
             task.cancel()
-        _, late = await asyncio.wait([metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
+        _, late = await asyncio.wait([self._metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
         if late:
             log.warning(
                 "%s: %d helper tasks still running after %.0fs", self.job_id, len(late), DRAIN_TIMEOUT_S
