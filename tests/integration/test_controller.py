@@ -363,14 +363,14 @@ async def test_a_controller_that_died_before_acking_a_drop_replaces_it_once(
     services: Services,
     controllers: Controllers,
 ) -> None:
-    """A GroupsDropped entry left pending by a dead controller, counted or not, is replaced
-    exactly once by its successor."""
+    """Of two GroupsDropped entries delivered to a controller that then died, it had counted
+    (and so acked) one; its successor reclaims the other, and each group is replaced once."""
     _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
     first = await controllers.start(consumer="controller-before")
     await trainer.publish_version(0)
     await trainer.wait_for_prompts(4)
     await controllers.stop(first)
-    # Two drops delivered to the old controller and never acked: it counted the first, then died.
+    # Two drops delivered to the old controller's consumer; it counts the first, then dies.
     streams = JobStreams(trainer.job_id)
     counted = await trainer.report_drops(0, stale=1)
     await trainer.report_drops(0, invalid=2)
