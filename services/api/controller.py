@@ -14,17 +14,13 @@ import contextlib
 import logging
 import time
 
-import grpc
-
 from services.api.config import ApiSettings
-from services.api.job_driver import JobDriver
+from services.api.job_driver import DriverDeps, JobDriver
+from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
-from services.common.config import JobSpec
 from services.common.consumer import consumer_name
-from services.common.grpc_client import channel
 from services.common.jobs import JobStore
-from services.common.pb import reward_pb2_grpc, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +46,8 @@ class Controller:
         self._drivers: dict[str, tuple[JobDriver, asyncio.Task[None]]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._restart_at: dict[str, float] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def router(self) -> router_pb2_grpc.RouterStub:
-        return router_pb2_grpc.RouterStub(self._channel(self.settings.router_address))
-
-    def reward(self, spec: JobSpec) -> reward_pb2_grpc.RewardStub:
-        return reward_pb2_grpc.RewardStub(self._channel(spec.reward.address or self.settings.reward_address))
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = channel(address)
-        return self._channels[address]
+        self.stubs = ServiceStubs(settings.router_address, settings.reward_address)
+        self._deps = DriverDeps(bus, store, self.stubs, settings, metrics, self.consumer)
 
     @property
     def driven_jobs(self) -> list[str]:
@@ -99,7 +85,7 @@ class Controller:
         now = time.monotonic()
         for job_id, record in active.items():
             if job_id not in self._drivers and now >= self._restart_at.get(job_id, 0.0):
-                driver = JobDriver(self, record)
+                driver = JobDriver(self._deps, record)
                 self._drivers[job_id] = (driver, asyncio.create_task(driver.run(), name=f"driver {job_id}"))
 
     async def close(self) -> None:
@@ -113,6 +99,4 @@ class Controller:
             for task in late:
                 log.warning("%s did not stop within %.0fs; cancelled", task.get_name(), STOP_TIMEOUT_S)
                 task.cancel()
-        for chan in self._channels.values():
-            await chan.close()
-        self._channels.clear()
+        await self.stubs.close()

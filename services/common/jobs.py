@@ -8,14 +8,16 @@ Keys (besides the streams of services/common/streams.py):
   keyed ``"{source}/{name}"``, e.g. ``"eval/accuracy"``), issued_batches and
   issued_extra (how many prompt batches, and replacement prompts for dropped
   groups, the controller has published, so that a restarted controller carries
-  on where its predecessor stopped).
+  on where its predecessor stopped) and dropped_groups (how many groups the
+  trainer reported dropped, counted once per control-stream entry).
 - ``verst:jobs:index`` (sorted set): job ids by submit time.
 - ``verst:jobs:active`` (set): ids of the jobs that are not finished yet.
 - ``verst:job:{id}:history`` (list): one JSON row per received Metric,
   ``{"step", "policy_version", "source", "values", "time"}``, oldest first,
   capped at ``HISTORY_LIMIT`` rows.
 
-Only the api (and its controller) writes here; everyone may read. Terminal
+Only the api (and its controller) writes here; everyone may read, through this
+module: no other code spells these keys or parses a JobSpec's JSON. Terminal
 states are final: the state changes are checked and applied atomically in Redis.
 """
 
@@ -25,7 +27,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +36,9 @@ from urllib.parse import unquote, urlparse
 import redis.asyncio as aioredis
 
 from services.common.bus import DEFAULT_MAXLEN, encode
-from services.common.config import JobSpec
+from services.common.config import JobSpec, JobSpecError, parse_job_spec
 from services.common.pb import common_pb2
-from services.common.streams import JOB_INDEX, JOBS, PREFIX, job_key
+from services.common.streams import CONTROLLER_GROUP, JOB_INDEX, JOBS, PREFIX, JobStreams, job_key
 
 QUEUED = common_pb2.JobState.Name(common_pb2.JOB_STATE_QUEUED)
 RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING)
@@ -64,6 +66,30 @@ class JobNotFoundError(KeyError):
     """No job has this id."""
 
 
+def decode_spec(spec_json: str | bytes, source: str = "job spec") -> JobSpec:
+    """The JobSpec a JSON text holds; raises JobSpecError naming each bad field."""
+    try:
+        data = json.loads(spec_json)
+    except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+        raise JobSpecError([("(json)", str(err))], source) from None
+    return parse_job_spec(data, source)
+
+
+def submission(job_id: str, spec: JobSpec, submitted_at: float | None = None) -> common_pb2.JobSubmission:
+    """The JobSubmission of a job (the payload of ``verst:jobs``)."""
+    message = common_pb2.JobSubmission(job_id=job_id, spec_json=spec.model_dump_json())
+    message.submitted_at.FromNanoseconds(int((time.time() if submitted_at is None else submitted_at) * 1e9))
+    return message
+
+
+def decode_submission(message: common_pb2.JobSubmission) -> tuple[str, JobSpec]:
+    """The job id and JobSpec of a JobSubmission; raises JobSpecError (the id is missing or
+    the spec invalid)."""
+    if not message.job_id:
+        raise JobSpecError([("job_id", "JobSubmission has no job_id")], "job submission")
+    return message.job_id, decode_spec(message.spec_json, f"spec of job {message.job_id}")
+
+
 # Applies a state change unless the job is missing (-1), finished (0), or the change would
 # send it back to QUEUED (0). Atomic, so a cancel and a success cannot both win.
 _SET_STATE = """
@@ -87,6 +113,19 @@ redis.call('HSET', KEYS[1], 'policy_version', ARGV[1], 'step', ARGV[2], 'updated
 return 1
 """
 
+# Acks a control-stream entry and adds its dropped groups to the job's count, in one step:
+# only the call that acks the entry counts it, so a redelivered entry is never counted twice
+# and an entry is never acked uncounted. Returns {counted (0/1), total}; -1 for a missing job.
+_COUNT_DROPPED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
+  return {0, tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')}
+end
+local total = redis.call('HINCRBY', KEYS[1], 'dropped_groups', ARGV[3])
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[4])
+return {1, total}
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class JobRecord:
@@ -108,6 +147,8 @@ class JobRecord:
     """Prompt batches the controller has published."""
     issued_extra: int
     """Replacement prompts the controller has published for groups the trainer dropped."""
+    dropped_groups: int
+    """Groups the trainer reported dropped (each wants a replacement prompt)."""
 
     @property
     def terminal(self) -> bool:
@@ -118,7 +159,7 @@ class JobRecord:
         text = {key.decode(): value.decode() for key, value in fields.items()}
         return cls(
             job_id=job_id,
-            spec=JobSpec.model_validate_json(text["spec_json"]),
+            spec=decode_spec(text["spec_json"], f"spec of job {job_id}"),
             state=text["state"],
             policy_version=int(text.get("policy_version", 0)),
             step=int(text.get("step", 0)),
@@ -128,6 +169,7 @@ class JobRecord:
             metrics=json.loads(text.get("metrics_json", "{}")),
             issued_batches=int(text.get("issued_batches", 0)),
             issued_extra=int(text.get("issued_extra", 0)),
+            dropped_groups=int(text.get("dropped_groups", 0)),
         )
 
 
@@ -167,16 +209,15 @@ class JobStore:
         self.history_limit = history_limit
         self._set_state = redis.register_script(_SET_STATE)
         self._progress = redis.register_script(_PROGRESS)
+        self._count_dropped = redis.register_script(_COUNT_DROPPED)
 
     async def create(self, spec: JobSpec) -> JobRecord:
         """Store a QUEUED job and publish its JobSubmission on ``verst:jobs``, atomically."""
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        spec_json = spec.model_dump_json()
-        submission = common_pb2.JobSubmission(job_id=job_id, spec_json=spec_json)
-        submission.submitted_at.FromNanoseconds(int(now * 1e9))
+        message = submission(job_id, spec, now)
         fields = {
-            "spec_json": spec_json,
+            "spec_json": message.spec_json,
             "state": QUEUED,
             "policy_version": 0,
             "step": 0,
@@ -186,12 +227,13 @@ class JobStore:
             "metrics_json": "{}",
             "issued_batches": 0,
             "issued_extra": 0,
+            "dropped_groups": 0,
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(job_key(job_id), mapping=fields)
         pipe.zadd(JOB_INDEX, {job_id: now})
         pipe.sadd(ACTIVE_JOBS, job_id)
-        pipe.xadd(JOBS, encode(submission), maxlen=DEFAULT_MAXLEN)
+        pipe.xadd(JOBS, encode(message), maxlen=DEFAULT_MAXLEN)
         await pipe.execute()
         return await self.get(job_id)
 
@@ -201,6 +243,23 @@ class JobStore:
         if not fields:
             raise JobNotFoundError(job_id)
         return JobRecord.from_hash(job_id, fields)
+
+    async def state(self, job_id: str) -> str | None:
+        """The job's state (a JobState name); None when no job has this id."""
+        state = await self.redis.hget(job_key(job_id), "state")
+        return None if state is None else state.decode()
+
+    async def is_terminal(self, job_id: str) -> bool:
+        """True when the job has finished (succeeded, failed or cancelled); False when it has
+        not, or no job has this id."""
+        return await self.state(job_id) in TERMINAL_STATES
+
+    async def spec(self, job_id: str) -> JobSpec:
+        """The job's JobSpec; raises JobNotFoundError, or JobSpecError when it is unreadable."""
+        spec_json = await self.redis.hget(job_key(job_id), "spec_json")
+        if spec_json is None:
+            raise JobNotFoundError(job_id)
+        return decode_spec(spec_json, f"spec of job {job_id}")
 
     async def list(self, limit: int = 100) -> list[JobRecord]:
         """The newest ``limit`` jobs, newest first."""
@@ -213,9 +272,23 @@ class JobStore:
         records = await self._records(ids)
         return sorted((r for r in records if not r.terminal), key=lambda r: r.submitted_at)
 
+    async def running_job_ids(self) -> list[str]:
+        """Ids of the jobs in state RUNNING, oldest first (reads their states, not their specs)."""
+        ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(job_key(job_id), ["state", "submitted_at"])
+        running = [
+            (float(submitted_at or 0.0), job_id)
+            for job_id, (state, submitted_at) in zip(ids, await pipe.execute(), strict=True)
+            if state is not None and state.decode() == RUNNING
+        ]
+        return [job_id for _, job_id in sorted(running)]
+
     async def running_jobs(self) -> list[JobRecord]:
         """Jobs in state RUNNING, oldest first."""
-        return [record for record in await self.active_jobs() if record.state == RUNNING]
+        records = await self._records(await self.running_job_ids())
+        return [record for record in records if record.state == RUNNING]
 
     async def count_by_state(self) -> dict[str, int]:
         """How many jobs are in each state (every state is present, maybe with 0)."""
@@ -251,11 +324,29 @@ class JobStore:
             raise JobNotFoundError(job_id)
         return applied == 1
 
-    def queue_issued(self, pipe: Any, job_id: str, *, batches: int, extra: int) -> None:
-        """Add "the controller has published ``batches`` prompt batches and ``extra`` replacement
-        prompts" to a MULTI ``pipe``, so that the counts and the prompts are written together."""
+    async def publish_prompts(
+        self, job_id: str, tasks: Sequence[common_pb2.PromptTask], *, batches: int, extra: int
+    ) -> None:
+        """Publish prompt tasks on the job's prompts stream and record that the controller has
+        now issued ``batches`` prompt batches and ``extra`` replacement prompts, in one MULTI,
+        so that a restarted controller neither repeats nor skips a prompt."""
         fields = {"issued_batches": batches, "issued_extra": extra, "updated_at": repr(time.time())}
+        pipe = self.redis.pipeline(transaction=True)
+        for task in tasks:
+            pipe.xadd(JobStreams(job_id).prompts, encode(task), maxlen=DEFAULT_MAXLEN)
         pipe.hset(job_key(job_id), mapping=fields)
+        await pipe.execute()
+
+    async def count_dropped(self, job_id: str, entry_id: str, groups: int) -> int:
+        """Add ``groups`` dropped groups, reported by the entry ``entry_id`` of the job's control
+        stream, to the job's ``dropped_groups`` and ack that entry for the controller's group,
+        atomically; an entry acked already is not counted again. Returns the job's new count."""
+        keys = [job_key(job_id), JobStreams(job_id).control]
+        args = [CONTROLLER_GROUP, entry_id, groups, repr(time.time())]
+        reply = await self._count_dropped(keys=keys, args=args)
+        if reply == -1:
+            raise JobNotFoundError(job_id)
+        return int(reply[1])
 
     async def merge_metrics(
         self,

@@ -25,11 +25,11 @@ TRAINER_GROUP = "trainer"
 RUNNERS_GROUP = "runners"
 """Rollout runners on a job's prompts stream."""
 CONTROLLER_GROUP = "controller"
-"""The api's controller on a job's checkpoints, metrics and status streams."""
+"""The api's controller on a job's checkpoints, metrics, status, control and dead streams."""
 
 
 def job_key(job_id: str) -> str:
-    """Hash holding one job's record (written by the api's controller only)."""
+    """Hash holding one job's record (read and written through services/common/jobs.py only)."""
     return f"{PREFIX}:job:{job_id}"
 
 
@@ -66,6 +66,11 @@ class JobStreams:
     def status(self) -> str:
         """JobStatus reports from the trainer (succeeded, failed) to the controller."""
         return self._key("status")
+
+    @property
+    def control(self) -> str:
+        """TrainerSignals (such as groups dropped) from the trainer to the controller."""
+        return self._key("control")
 
     @property
     def dead(self) -> str:

@@ -1,6 +1,6 @@
 """The rollout engine's gRPC server: ``verst.v1.Rollout`` over a TorchEngine.
 
-``python -m services.rollout engine`` runs ``main()``: the Rollout service, a watcher that
+``python -m services.rollout`` runs ``main()``: the Rollout service, a watcher that
 loads the newest running job's checkpoints, and a heartbeat into the engine registry.
 """
 
@@ -384,7 +384,7 @@ async def serve_engine(settings: EngineSettings) -> None:
 
 
 def main() -> None:
-    """``python -m services.rollout engine``."""
+    """``python -m services.rollout``."""
     settings = load_settings(EngineSettings)
     setup_logging(settings.service_name, settings.log_level)
     if settings.backend == "sglang" and not (settings.sglang_urls.strip() or settings.sglang_model_path):

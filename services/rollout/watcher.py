@@ -10,14 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.common.bus import Bus
-from services.common.config import JobSpec
+from services.common.config import JobSpecError
 from services.common.engine_registry import EngineRegistry
+from services.common.jobs import JobNotFoundError, JobStore
 from services.common.pb import common_pb2, rollout_pb2
-from services.common.streams import JOB_INDEX, JobStreams, job_key
+from services.common.streams import JobStreams
 from services.rollout.engine import TorchEngine, WeightUpdate
 from services.rollout.weights import CheckpointError, checkpoint_dir
 
@@ -29,23 +29,11 @@ _UPDATE_MODES = {
 }
 """JobSpec rollout.weight_update -> the mode of the watcher's loads for that job."""
 
-RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING).encode()
-JOBS_SCANNED = 50
-"""How many of the newest jobs are looked at for a running one."""
 
-
-async def newest_running_job(redis: aioredis.Redis, scan: int = JOBS_SCANNED) -> str | None:
-    """The most recently submitted job whose state is RUNNING, read from the job hashes."""
-    job_ids = await redis.zrevrange(JOB_INDEX, 0, scan - 1)
-    if not job_ids:
-        return None
-    pipe = redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        pipe.hget(job_key(job_id.decode()), "state")
-    for job_id, state in zip(job_ids, await pipe.execute(), strict=True):
-        if state == RUNNING:
-            return str(job_id.decode())
-    return None
+async def newest_running_job(store: JobStore) -> str | None:
+    """The most recently submitted job whose state is RUNNING."""
+    running = await store.running_job_ids()
+    return running[-1] if running else None
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
@@ -111,6 +99,7 @@ class WeightWatcher:
     def __init__(self, redis: aioredis.Redis, loader: WeightLoader, poll_s: float) -> None:
         self.redis = redis
         self.bus = Bus(redis)
+        self.jobs = JobStore(redis)
         self.loader = loader
         self.poll_s = poll_s
         self._refused: set[tuple[str, int, str]] = set()
@@ -133,7 +122,7 @@ class WeightWatcher:
 
     async def check(self) -> bool:
         """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""
-        job_id = await newest_running_job(self.redis)
+        job_id = await newest_running_job(self.jobs)
         if job_id is None:
             return False
         handle = await self.bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
@@ -161,8 +150,8 @@ class WeightWatcher:
         mode = self._modes.get(job_id)
         if mode is None:
             try:
-                spec = JobSpec.model_validate_json(await self.redis.hget(job_key(job_id), "spec_json") or b"")
-            except (ValidationError, RedisError) as err:
+                spec = await self.jobs.spec(job_id)
+            except (JobNotFoundError, JobSpecError, RedisError) as err:
                 log.warning("job %s: unreadable spec (%s); loads use the engine's mode", job_id, err)
                 return rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED
             chosen = spec.rollout.weight_update

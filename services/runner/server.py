@@ -22,11 +22,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer, consumer_name
-from services.common.grpc_client import channel
+from services.common.grpc_client import Channels
 from services.common.grpc_server import serve
 from services.common.jobs import JobRecord, JobStore, load_job_tokenizer
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
@@ -76,7 +74,7 @@ class Runner:
         self._inflight: set[asyncio.Task[None]] = set()
         self._held: dict[str, set[str]] = {}
         """Entry ids of the tasks in flight, by prompts stream: kept alive against reclaim."""
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the running jobs until ``stop``; then finish the tasks in flight."""
@@ -93,8 +91,7 @@ class Runner:
             await self._stop_loops(list(self._jobs))
             await asyncio.gather(*self._inflight, return_exceptions=True)
             await asyncio.wait([keepalive], timeout=self.settings.reclaim_idle_ms / 1000)
-            for chan in self._channels.values():
-                await chan.close()
+            await self._channels.close()
 
     async def refresh_jobs(self) -> None:
         """Start a loop for each newly running job; stop the loops of jobs that stopped running."""
@@ -201,15 +198,17 @@ class Runner:
                 loop.tokenizer = await self._load_tokenizer(loop)
         reward_address = spec.reward.address or self.settings.reward_address
         return GroupClients(
-            router=router_pb2_grpc.RouterStub(self._channel(self.settings.router_address)),
-            reward=reward_pb2_grpc.RewardStub(self._channel(reward_address)),
+            router=router_pb2_grpc.RouterStub(self._channels.get(self.settings.router_address)),
+            reward=reward_pb2_grpc.RewardStub(self._channels.get(reward_address)),
             tokenizer=loop.tokenizer,
             request_timeout_s=spec.rollout.request_timeout_s,
             reward_timeout_s=spec.reward.timeout_s,
             retry_s=self.settings.retry_s,
             max_resumes=self.settings.max_resumes,
             serving=lambda: not loop.stop.is_set(),
-            tools=reward_pb2_grpc.ToolsStub(self._channel(self.settings.tools_address or reward_address)),
+            tools=reward_pb2_grpc.ToolsStub(
+                self._channels.get(self.settings.tools_address or reward_address)
+            ),
             rollout=spec.rollout,
         )
 
@@ -225,11 +224,6 @@ class Runner:
             return await asyncio.to_thread(load_job_tokenizer, spec, handle or common_pb2.CheckpointHandle())
         except (OSError, ValueError) as err:
             raise RetryLaterError(f"cannot load the job's tokenizer: {err}") from None
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = channel(address)
-        return self._channels[address]
 
 
 async def _consume_until(settings: RunnerSettings, redis_url: str, stop: asyncio.Event) -> None:

@@ -27,8 +27,9 @@ from redis.exceptions import RedisError
 from services.common.bus import Bus, Delivery
 from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
+from services.common.jobs import TERMINAL_STATES, JobStore
 from services.common.pb import common_pb2, trainer_pb2
-from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams, job_key
+from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
 from services.trainer.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
@@ -48,10 +49,6 @@ JOB_GROUP = TRAINERS_GROUP
 TRAJECTORY_GROUP = TRAINER_GROUP
 NO_MIN_VERSION = -(2**63)
 """Under a stale policy that keeps stale samples (``downweight``) no group is too old to train on."""
-TERMINAL_STATES = frozenset(
-    common_pb2.JobState.Name(state)
-    for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
-)
 Trajectory = common_pb2.Trajectory
 
 
@@ -170,6 +167,7 @@ class JobRun:
         self,
         *,
         bus: Bus,
+        jobs: JobStore,
         settings: TrainerSettings,
         consumer: str,
         job_id: str,
@@ -180,6 +178,7 @@ class JobRun:
         device: torch.device,
     ) -> None:
         self.bus = bus
+        self.jobs = jobs
         self.settings = settings
         self.consumer = consumer
         self.job_id = job_id
@@ -375,7 +374,7 @@ class JobRun:
         await consumer.ack(unique_deliveries(groups))
         self.drops.zero_variance += len(groups)
         log.info("job %s: filtered %d groups without reward variance", self.job_id, len(groups))
-        await self._report_drops(zero_variance_dropped=len(groups))
+        await self._report_drops(common_pb2.GroupsDropped(zero_variance=len(groups)))
 
     async def _drop(self, consumer: StreamConsumer[Trajectory], unusable: Unusable) -> None:
         """Ack stale groups; dead-letter invalid ones with their problems as the reason."""
@@ -393,7 +392,8 @@ class JobRun:
         if unusable.stale or unusable.invalid:
             # Reported at once, not with the next step: the controller replaces dropped
             # groups, and until it does this step may never fill.
-            await self._report_drops(stale_dropped=len(unusable.stale), invalid_dropped=len(unusable.invalid))
+            dropped = common_pb2.GroupsDropped(stale=len(unusable.stale), invalid=len(unusable.invalid))
+            await self._report_drops(dropped)
 
     async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
         """Optimise on the groups, checkpoint, announce, then ack them and report the step."""
@@ -456,9 +456,12 @@ class JobRun:
             *(stats.approx_kl, stats.grad_norm, values["step_seconds"]),
         )
 
-    async def _report_drops(self, **counts: int) -> None:
-        """A Metric of groups dropped just now, which the controller replaces."""
-        await self._publish_trainer_metric({name: float(count) for name, count in counts.items()})
+    async def _report_drops(self, dropped: common_pb2.GroupsDropped) -> None:
+        """Tell the controller of groups dropped just now, so that it replaces them."""
+        signal = common_pb2.TrainerSignal(job_id=self.job_id, policy_version=self.version)
+        signal.groups_dropped.CopyFrom(dropped)
+        signal.time.GetCurrentTime()
+        await self.bus.publish(self.streams.control, signal)
 
     async def _publish_trainer_metric(self, values: dict[str, float]) -> None:
         await self.bus.publish_metric(
@@ -474,9 +477,9 @@ class JobRun:
             await asyncio.sleep(self.settings.keepalive_s)
             try:
                 await self._renew_claims()
-                state = await self.bus.redis.hget(job_key(self.job_id), "state")
-                if state is not None and state.decode() in TERMINAL_STATES:
-                    reason = f"the job store has the job {state.decode()}"
+                state = await self.jobs.state(self.job_id)
+                if state in TERMINAL_STATES:
+                    reason = f"the job store has the job {state}"
                     self.control.stop(JobStopped(StopKind.ENDED_ELSEWHERE, reason))
             except JobStopped as stop:
                 self.control.stop(stop)

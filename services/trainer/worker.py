@@ -8,27 +8,18 @@ so the job of a trainer that dies is reclaimed by another after
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import torch
 from redis.exceptions import RedisError
 
 from services.common.bus import Bus, Delivery
-from services.common.config import parse_job_spec
 from services.common.consumer import StreamConsumer, consumer_name
+from services.common.jobs import JobStore, decode_submission
 from services.common.pb import common_pb2, trainer_pb2
-from services.common.streams import JOBS, JobStreams, job_key
+from services.common.streams import JOBS, JobStreams
 from services.trainer.config import TrainerSettings
-from services.trainer.job import (
-    JOB_GROUP,
-    TERMINAL_STATES,
-    JobControl,
-    JobRun,
-    JobStopped,
-    Progress,
-    StopKind,
-)
+from services.trainer.job import JOB_GROUP, JobControl, JobRun, JobStopped, Progress, StopKind
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +35,7 @@ class TrainerWorker:
 
     def __init__(self, bus: Bus, settings: TrainerSettings, device: torch.device) -> None:
         self.bus = bus
+        self.jobs = JobStore(bus.redis)
         self.settings = settings
         self.device = device
         self.name = settings.trainer_id or consumer_name("trainer")
@@ -90,14 +82,15 @@ class TrainerWorker:
         self.progress = Progress(trainer_id=self.name, job_id=job_id)
         self._job_done = asyncio.Event()
         try:
-            if await self._ended_elsewhere(job_id):
+            if await self.jobs.is_terminal(job_id):
                 log.info("job %s is already over; not training it", job_id)
                 await consumer.ack([delivery])
                 return
             log.info("claimed job %s (delivery %d)", job_id, delivery.delivery_count)
-            spec = parse_job_spec(json.loads(delivery.message.spec_json), f"spec of job {job_id}")
+            _, spec = decode_submission(delivery.message)
             self.current = JobRun(
                 bus=self.bus,
+                jobs=self.jobs,
                 settings=self.settings,
                 consumer=self.name,
                 job_id=job_id,
@@ -158,10 +151,6 @@ class TrainerWorker:
             log.error("could not report job %s as %s (%s); it stays pending", job_id, state, err)
             return
         log.info("job %s %s %s", job_id, common_pb2.JobState.Name(state), reason)
-
-    async def _ended_elsewhere(self, job_id: str) -> bool:
-        state = await self.bus.redis.hget(job_key(job_id), "state")
-        return state is not None and state.decode() in TERMINAL_STATES
 
     # -- the Trainer service's requests ---------------------------------------------------
 

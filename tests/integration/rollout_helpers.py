@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.common.bus import Bus, connect
 from services.common.engine_registry import EngineRegistry
+from services.common.jobs import ACTIVE_JOBS
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.streams import JOB_INDEX, JobStreams, job_key
@@ -72,9 +73,14 @@ def handle_for(
 
 
 async def start_job(redis: aioredis.Redis, job_id: str, *, state: str = "JOB_STATE_RUNNING") -> None:
-    """Write the job record the way the api's JobStore does (the fields the engine reads)."""
-    await redis.zadd(JOB_INDEX, {job_id: time.time()})
-    await redis.hset(job_key(job_id), mapping={"state": state, "policy_version": 0})
+    """Write the job record the way the api's JobStore does (the fields the engine reads: a
+    fixed job id, and no spec, which JobStore.create cannot make)."""
+    now = time.time()
+    await redis.zadd(JOB_INDEX, {job_id: now})
+    await redis.sadd(ACTIVE_JOBS, job_id)
+    await redis.hset(
+        job_key(job_id), mapping={"state": state, "policy_version": 0, "submitted_at": repr(now)}
+    )
 
 
 async def publish_checkpoint(

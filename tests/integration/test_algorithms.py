@@ -40,6 +40,7 @@ from tests.integration.test_trainer import (
     response_logprobs,
     submit,
     trainer,
+    trainer_signals,
 )
 
 Trajectory = common_pb2.Trajectory
@@ -240,7 +241,9 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
     assert trained == {f"{g}:{i}" for g in ("g0", "g1", "gs", "g2") for i in range(2)}
 
     metrics = await metrics_of(bus, job_id)
-    assert metrics[0]["zero_variance_dropped"] == 1  # reported before step 1, for replacement
+    [dropped] = await trainer_signals(bus, job_id)  # reported before step 1, for replacement
+    assert dropped.policy_version == 0 and dropped.groups_dropped == common_pb2.GroupsDropped(zero_variance=1)
+    assert sorted(metrics) == [1, 2]  # the metrics stream carries only the steps' metrics
     assert metrics[1]["zero_variance_filtered"] == 1
     assert metrics[1]["response_tokens"] == 12  # two full groups of 2 x 3 tokens
     for step in (1, 2):

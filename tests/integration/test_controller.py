@@ -20,7 +20,7 @@ from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobStore
 from services.common.pb import common_pb2
-from services.common.streams import RUNNERS_GROUP, JobStreams
+from services.common.streams import CONTROLLER_GROUP, RUNNERS_GROUP, JobStreams
 from services.tasks import encode_prompt, eval_prompts
 from tests.helpers import eventually, stream_messages
 from tests.integration.test_runner import (
@@ -107,8 +107,17 @@ class Trainer:
         status = common_pb2.JobStatus(job_id=self.job_id, state=state, policy_version=version, reason=reason)
         await self.bus.publish(self.streams.status, status)
 
-    async def report_drops(self, step: int, *, stale: int = 0, invalid: int = 0) -> None:
-        values = {"loss": 0.5, "stale_dropped": float(stale), "invalid_dropped": float(invalid)}
+    async def report_drops(
+        self, version: int, *, stale: int = 0, invalid: int = 0, zero_variance: int = 0
+    ) -> str:
+        """A GroupsDropped signal on the control stream; returns its entry id."""
+        signal = common_pb2.TrainerSignal(job_id=self.job_id, policy_version=version)
+        signal.groups_dropped.CopyFrom(
+            common_pb2.GroupsDropped(stale=stale, invalid=invalid, zero_variance=zero_variance)
+        )
+        return await self.bus.publish(self.streams.control, signal)
+
+    async def report_step_metric(self, step: int, values: dict[str, float]) -> None:
         metric = common_pb2.Metric(job_id=self.job_id, step=step, source="trainer", values=values)
         await self.bus.publish(self.streams.metrics, metric)
 
@@ -304,6 +313,7 @@ async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
     await trainer.report_drops(0, stale=1)
     await trainer.wait_for_prompts(5)
     await controllers.stop(first)  # the api process goes away
+    assert (await trainer.store.get(trainer.job_id)).dropped_groups == 1
 
     await controllers.start(consumer="controller-after")
     fake_router.version = 1
@@ -313,7 +323,8 @@ async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
     assert ids == ["0:0", "0:1", "1:0", "1:1", "extra:0", "2:0", "2:1"], "nothing issued twice"
     assert len(fake_router.requests) == 12, "version 0 is not evaluated twice"
     assert len({p.prompt_text for p in prompts}) == 7, "the prompt sequence continues, not restarts"
-    assert (await trainer.store.get(trainer.job_id)).state == RUNNING
+    record = await trainer.store.get(trainer.job_id)
+    assert (record.state, record.dropped_groups, record.issued_extra) == (RUNNING, 1, 1)
 
 
 async def _true(value: bool) -> bool:
@@ -337,9 +348,42 @@ async def test_groups_the_trainer_dropped_are_replaced(
     assert all(p.n_samples == 2 and p.group_id == p.prompt_id for p in prompts[4:])
     assert len({p.prompt_text for p in prompts}) == 7
     await trainer.report_drops(1)
+    await trainer.report_step_metric(1, {"loss": 0.5, "stale_groups_dropped": 2.0})  # a statistic only
     await asyncio.sleep(0.3)
     assert len(await trainer.prompts()) == 7
-    assert (await trainer.store.get(trainer.job_id)).issued_extra == 3
+    record = await trainer.store.get(trainer.job_id)
+    assert (record.issued_extra, record.dropped_groups) == (3, 3)
+    await trainer.report_drops(1, zero_variance=1)
+    assert len(await trainer.wait_for_prompts(8)) == 8
+
+
+async def test_a_controller_that_died_before_acking_a_drop_replaces_it_once(
+    bus: Bus,
+    tokenizer_dir: Path,  # noqa: F811
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    """Of two GroupsDropped entries delivered to a controller that then died, it had counted
+    (and so acked) one; its successor reclaims the other, and each group is replaced once."""
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    first = await controllers.start(consumer="controller-before")
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    await controllers.stop(first)
+    # Two drops delivered to the old controller's consumer; it counts the first, then dies.
+    streams = JobStreams(trainer.job_id)
+    counted = await trainer.report_drops(0, stale=1)
+    await trainer.report_drops(0, invalid=2)
+    dead = await bus.read(streams.control, CONTROLLER_GROUP, "controller-before", common_pb2.TrainerSignal)
+    assert len(dead) == 2
+    assert await trainer.store.count_dropped(trainer.job_id, counted, 1) == 1
+
+    await controllers.start(consumer="controller-after")  # reclaims after reclaim_idle_ms
+    prompts = await trainer.wait_for_prompts(7)
+    assert [p.prompt_id.split(":", 1)[1] for p in prompts[4:]] == ["extra:0", "extra:1", "extra:2"]
+    record = await trainer.store.get(trainer.job_id)
+    assert (record.dropped_groups, record.issued_extra) == (3, 3)
+    assert await bus.pending_count(streams.control, CONTROLLER_GROUP) == 0
 
 
 async def test_a_trainer_cancel_cancels_the_job(

@@ -1,4 +1,5 @@
-"""The job store against a real Redis server: lifecycle, final states, progress, metrics history."""
+"""The job store against a real Redis server: lifecycle, final states, progress, metrics history,
+issued prompts and dropped groups."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 
 from services.common.bus import Bus
-from services.common.config import JobSpec
+from services.common.config import JobSpec, JobSpecError
 from services.common.jobs import (
     CANCELLED,
     FAILED,
@@ -17,10 +18,14 @@ from services.common.jobs import (
     SUCCEEDED,
     JobNotFoundError,
     JobStore,
+    decode_spec,
+    decode_submission,
     job_history_key,
+    submission,
 )
 from services.common.pb import common_pb2
-from services.common.streams import JOBS
+from services.common.streams import CONTROLLER_GROUP, JOBS, JobStreams
+from tests.helpers import stream_messages
 
 
 @pytest.fixture
@@ -40,7 +45,7 @@ async def test_create_stores_a_queued_job_and_submits_it_in_one_step(store: JobS
     await bus.ensure_group(JOBS, "trainers")
     [delivery] = await bus.read(JOBS, "trainers", "t", common_pb2.JobSubmission, block_ms=100)
     assert delivery.message.job_id == record.job_id
-    assert JobSpec.model_validate_json(delivery.message.spec_json) == spec
+    assert decode_submission(delivery.message) == (record.job_id, spec)
     assert delivery.message.submitted_at.seconds == int(record.submitted_at)
     assert [r.job_id for r in await store.active_jobs()] == [record.job_id]
 
@@ -125,3 +130,66 @@ async def test_list_is_newest_first_and_counts_by_state(store: JobStore) -> None
     assert [r.job_id for r in await store.list(limit=3)] == ids[::-1][:3]
     assert [r.job_id for r in await store.active_jobs()] == [ids[0], ids[2], ids[3]]
     assert await store.count_by_state() == {QUEUED: 2, RUNNING: 1, SUCCEEDED: 0, FAILED: 1, CANCELLED: 0}
+
+
+async def test_states_and_specs_are_read_through_the_store(store: JobStore) -> None:
+    spec = JobSpec.model_validate({"name": "addition", "rollout": {"weight_update": "abort"}})
+    job_id = (await store.create(spec)).job_id
+    assert await store.state(job_id) == QUEUED and not await store.is_terminal(job_id)
+    assert await store.spec(job_id) == spec
+    assert await store.state("nope") is None and not await store.is_terminal("nope")
+    with pytest.raises(JobNotFoundError):
+        await store.spec("nope")
+    await store.set_state(job_id, CANCELLED, "user")
+    assert await store.state(job_id) == CANCELLED and await store.is_terminal(job_id)
+
+
+async def test_running_job_ids_are_oldest_first(store: JobStore) -> None:
+    ids = [(await store.create(JobSpec())).job_id for _ in range(3)]
+    for job_id in reversed(ids):
+        await store.set_state(job_id, RUNNING)
+    await store.set_state(ids[1], FAILED, "boom")
+    assert await store.running_job_ids() == [ids[0], ids[2]]
+    assert [r.job_id for r in await store.running_jobs()] == [ids[0], ids[2]]
+
+
+def test_specs_and_submissions_decode_with_the_bad_fields_named() -> None:
+    spec = JobSpec.model_validate({"name": "addition", "trainer": {"steps": 3}})
+    assert decode_spec(spec.model_dump_json()) == spec
+    assert decode_submission(submission("j", spec)) == ("j", spec)
+    with pytest.raises(JobSpecError, match=r"spec of job j:\n  trainer\.steps: "):
+        decode_submission(common_pb2.JobSubmission(job_id="j", spec_json='{"trainer": {"steps": -1}}'))
+    with pytest.raises(JobSpecError, match=r"\(json\): "):
+        decode_spec("{not json")
+    with pytest.raises(JobSpecError, match="job_id"):
+        decode_submission(submission("", spec))
+
+
+async def test_prompts_and_issued_counts_are_written_together(store: JobStore, bus: Bus) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    tasks = [common_pb2.PromptTask(prompt_id=f"{job_id}:0:{i}", job_id=job_id) for i in range(2)]
+    await store.publish_prompts(job_id, tasks, batches=1, extra=0)
+    await store.publish_prompts(job_id, tasks[:1], batches=1, extra=1)
+    published = await stream_messages(bus, JobStreams(job_id).prompts, common_pb2.PromptTask)
+    assert [t.prompt_id for t in published] == [tasks[0].prompt_id, tasks[1].prompt_id, tasks[0].prompt_id]
+    record = await store.get(job_id)
+    assert (record.issued_batches, record.issued_extra) == (1, 1)
+
+
+async def test_dropped_groups_are_counted_once_per_control_entry(store: JobStore, bus: Bus) -> None:
+    """The count and the ack are one step: a redelivered entry (the controller died before
+    acking, or two controllers race) is not counted again, and nothing is acked uncounted."""
+    job_id = (await store.create(JobSpec())).job_id
+    stream = JobStreams(job_id).control
+    await bus.ensure_group(stream, CONTROLLER_GROUP)
+    signals = [common_pb2.TrainerSignal(job_id=job_id) for _ in range(2)]
+    first, second = await bus.publish_many(stream, signals)
+    await bus.read(stream, CONTROLLER_GROUP, "c", common_pb2.TrainerSignal, block_ms=100)
+    assert await store.count_dropped(job_id, first, 2) == 2
+    assert await store.count_dropped(job_id, first, 2) == 2, "counted once"
+    assert await bus.pending_count(stream, CONTROLLER_GROUP) == 1
+    assert await store.count_dropped(job_id, second, 3) == 5
+    assert await bus.pending_count(stream, CONTROLLER_GROUP) == 0
+    assert (await store.get(job_id)).dropped_groups == 5
+    with pytest.raises(JobNotFoundError):
+        await store.count_dropped("nope", first, 1)

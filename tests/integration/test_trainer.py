@@ -23,8 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.bus import Bus
 from services.common.config import parse_job_spec
+from services.common.jobs import CANCELLED, SUCCEEDED, JobStore
 from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.streams import JOBS, JobStreams, job_key
+from services.common.streams import JOBS, JobStreams
 from services.tasks.addition_model import build_char_tokenizer
 from services.trainer.batching import TrainSample
 from services.trainer.checkpoints import TRAINED_IDS_FILE
@@ -264,9 +265,14 @@ async def metrics_of(bus: Bus, job_id: str) -> dict[int, dict[str, float]]:
     found = await stream_messages(bus, JobStreams(job_id).metrics, common_pb2.Metric)
     assert all(m.source == "trainer" and m.policy_version == m.step for m in found)
     merged: dict[int, dict[str, float]] = {}
-    for metric in found:  # a step's own Metric, and any drop report made while at that version
+    for metric in found:
         merged.setdefault(metric.step, {}).update(metric.values)
     return merged
+
+
+async def trainer_signals(bus: Bus, job_id: str) -> list[common_pb2.TrainerSignal]:
+    """The trainer's signals to the controller (groups it dropped), oldest first."""
+    return await stream_messages(bus, JobStreams(job_id).control, common_pb2.TrainerSignal)
 
 
 async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
@@ -312,7 +318,9 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         assert metrics[1]["clip_fraction"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-6
         assert metrics[1]["reward_mean"] == 0.5 and metrics[1]["reward_std"] == 0.5
         assert metrics[1]["response_tokens"] == sum(len(t.response_token_ids) for t in step1)
-        assert metrics[1]["stale_dropped"] == 1  # reported at once, while still at version 1
+        [dropped] = await trainer_signals(bus, job_id)  # reported at once, while still at version 1
+        assert dropped.policy_version == 1 and dropped.groups_dropped == common_pb2.GroupsDropped(stale=1)
+        assert metrics[2]["stale_groups_dropped"] == 1 and metrics[1]["stale_groups_dropped"] == 0
         assert metrics[1]["duplicates_skipped"] + metrics[2]["duplicates_skipped"] == 2
         assert all(m["grad_norm"] > 0 and m["tokens_per_s"] > 0 for m in metrics.values())
 
@@ -346,7 +354,7 @@ async def test_bad_jobs_fail_with_the_reason_and_the_trainer_carries_on(
     bad_jobs = {
         "no-model": (job_spec(tmp_path / "missing", tmp_path), "does not exist"),
         "bad-spec": (json.dumps({"trainer": {"stepz": 3}}), "trainer.stepz"),
-        "not-json": ("{", "JSONDecodeError"),
+        "not-json": ("{", "invalid spec of job not-json:\n  (json): Expecting property name"),
         "own-optimiser": (
             job_spec(model_dir, tmp_path, deepspeed={"optimizer": {"type": "Adam"}}),
             "trainer.deepspeed may not set optimizer",
@@ -424,18 +432,19 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
 
 
 async def test_jobs_over_in_the_job_store_are_left_alone(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
-    cancelled = common_pb2.JobState.Name(common_pb2.JOB_STATE_CANCELLED)
-    await bus.redis.hset(job_key("done"), "state", common_pb2.JobState.Name(common_pb2.JOB_STATE_SUCCEEDED))
+    store = JobStore(bus.redis)
+    spec = parse_job_spec(job_spec(model_dir, tmp_path))
+    done = (await store.create(spec)).job_id  # submitted on verst:jobs, like every job
+    await store.set_state(done, SUCCEEDED)
     async with trainer(bus) as (_, stub):
-        await submit(bus, "done", job_spec(model_dir, tmp_path))
-        await submit(bus, "live", job_spec(model_dir, tmp_path))
-        await checkpoint(bus, "live", 0)  # "done" was skipped: "live" is trained
-        await bus.redis.hset(job_key("live"), "state", cancelled)  # the api cancels it
+        live = (await store.create(spec)).job_id
+        await checkpoint(bus, live, 0)  # "done" was skipped: "live" is trained
+        await store.set_state(live, CANCELLED, "user")  # the api cancels it
         await eventually(lambda: idle(stub), "the trainer lets the cancelled job go", timeout_s=DEADLINE_S)
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
-    for job_id in ("done", "live"):
+    for job_id in (done, live):
         assert await stream_messages(bus, JobStreams(job_id).status, common_pb2.JobStatus) == []
-    assert await bus.latest(JobStreams("done").checkpoints, common_pb2.CheckpointHandle) is None
+    assert await bus.latest(JobStreams(done).checkpoints, common_pb2.CheckpointHandle) is None
 
 
 async def test_a_trainer_whose_job_was_taken_over_lets_it_go(

@@ -9,7 +9,7 @@ from services.demo import plot, series
 HISTORY = [
     {"step": 0, "source": "eval", "values": {"accuracy": 0.25}},
     {"step": 1, "source": "trainer", "values": {"reward_mean": 0.4, "loss": 0.1}},
-    {"step": 1, "source": "trainer", "values": {"stale_dropped": 1.0}},
+    {"step": 1, "source": "trainer", "values": {"duplicates_skipped": 1.0}},
     {"step": 2, "source": "trainer", "values": {"reward_mean": 0.5}},
     {"step": 2, "source": "trainer", "values": {"reward_mean": 0.6}},
     {"step": 2, "source": "eval", "values": {"accuracy": 0.75}},

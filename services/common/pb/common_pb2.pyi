@@ -265,6 +265,28 @@ class Metric(_message.Message):
     time: _timestamp_pb2.Timestamp
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., source: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class GroupsDropped(_message.Message):
+    __slots__ = ("stale", "invalid", "zero_variance")
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    ZERO_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    stale: int
+    invalid: int
+    zero_variance: int
+    def __init__(self, stale: _Optional[int] = ..., invalid: _Optional[int] = ..., zero_variance: _Optional[int] = ...) -> None: ...
+
+class TrainerSignal(_message.Message):
+    __slots__ = ("job_id", "policy_version", "time", "groups_dropped")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    policy_version: int
+    time: _timestamp_pb2.Timestamp
+    groups_dropped: GroupsDropped
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., groups_dropped: _Optional[_Union[GroupsDropped, _Mapping]] = ...) -> None: ...
+
 class DeadLetter(_message.Message):
     __slots__ = ("source_stream", "entry_id", "group", "consumer", "reason", "payload_type", "payload", "delivery_count", "dead_at")
     SOURCE_STREAM_FIELD_NUMBER: _ClassVar[int]
