@@ -23,14 +23,10 @@ from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, RUNNERS_GROUP, JobStreams
 from services.tasks import encode_prompt, eval_prompts
 from tests.helpers import eventually, stream_messages
-from tests.integration.test_runner import (
+from tests.integration.fake_services import (
     FakeReward,
     FakeRouter,
     checkpoint,
-    reward,  # noqa: F401  (fixture)
-    router,  # noqa: F401  (fixture)
-    tokenizer,  # noqa: F401  (fixture)
-    tokenizer_dir,  # noqa: F401  (fixture)
 )
 
 Services = tuple[FakeRouter, str, FakeReward, str]
@@ -48,7 +44,7 @@ def expected_accuracy(spec: JobSpec, version: int) -> float:
 
 
 @pytest.fixture
-def services(router: tuple[FakeRouter, str], reward: tuple[FakeReward, str]) -> Services:  # noqa: F811
+def services(router: tuple[FakeRouter, str], reward: tuple[FakeReward, str]) -> Services:
     router[0].correct_at_version = knows
     return router[0], router[1], reward[0], reward[1]
 
@@ -166,8 +162,8 @@ async def eval_points(store: JobStore, job_id: str) -> dict[int, float]:
 
 async def test_paced_prompts_evals_and_success(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
-    tokenizer: Any,  # noqa: F811
+    tokenizer_dir: Path,
+    tokenizer: Any,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -224,7 +220,7 @@ async def test_paced_prompts_evals_and_success(
 
 async def test_a_trainer_failure_fails_the_job_and_stops_the_prompts(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -243,7 +239,7 @@ async def test_a_trainer_failure_fails_the_job_and_stops_the_prompts(
 
 async def test_a_trainer_failure_before_v0_fails_the_queued_job(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -256,7 +252,7 @@ async def test_a_trainer_failure_before_v0_fails_the_queued_job(
 
 async def test_a_stalled_trainer_fails_the_job(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -271,7 +267,7 @@ async def test_a_stalled_trainer_fails_the_job(
 
 async def test_a_job_without_a_trainer_times_out_in_the_queue(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -283,7 +279,7 @@ async def test_a_job_without_a_trainer_times_out_in_the_queue(
 
 async def test_cancel_stops_the_prompts(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -301,7 +297,7 @@ async def test_cancel_stops_the_prompts(
 
 async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -333,7 +329,7 @@ async def _true(value: bool) -> bool:
 
 async def test_groups_the_trainer_dropped_are_replaced(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -359,7 +355,7 @@ async def test_groups_the_trainer_dropped_are_replaced(
 
 async def test_a_controller_that_died_before_acking_a_drop_replaces_it_once(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -388,7 +384,7 @@ async def test_a_controller_that_died_before_acking_a_drop_replaces_it_once(
 
 async def test_a_trainer_cancel_cancels_the_job(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
@@ -403,7 +399,7 @@ async def test_a_trainer_cancel_cancels_the_job(
 
 async def test_a_rejected_prompt_task_fails_the_job_with_the_reason(
     bus: Bus,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:

@@ -30,7 +30,7 @@ from services.reward.server import RewardServicer
 from services.runner.config import RunnerSettings
 from services.runner.server import Runner
 from tests.helpers import eventually, serve
-from tests.integration.test_runner import FakeRouter, running_job, trajectories
+from tests.integration.fake_services import FakeRouter, running_job, trajectories
 from tests.integration.test_services import stop
 
 ROOT = Path(__file__).resolve().parents[2]
