@@ -88,7 +88,7 @@ class _Attempts:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 "no live engines: none is in the registry with a heartbeat younger than the ttl, "
-                "or all are draining; start one with `python -m services.rollout engine`",
+                "or all are draining; start one with `python -m services.rollout`",
             )
         await context.abort(
             self.last_code,

@@ -203,7 +203,7 @@ def test_the_engine_process_serves_metrics_until_it_stops(
 ) -> None:
     metrics_port = free_port()
     env = {**python_env, "VERST_ENGINE_METRICS_PORT": str(metrics_port), "VERST_ENGINE_DEVICE": "cpu"}
-    proc, port = start(python, env, ["services.rollout", "engine"], "VERST_ENGINE_PORT", redis_url)
+    proc, port = start(python, env, ["services.rollout"], "VERST_ENGINE_PORT", redis_url)
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         grpc_health(port)

@@ -292,7 +292,7 @@ async def test_a_killed_engine_process_is_routed_around(
     python: str,
     python_env: dict[str, str],
 ) -> None:
-    """`python -m services.rollout engine` for real: it loads v0 from Redis, serves through the
+    """`python -m services.rollout` for real: it loads v0 from Redis, serves through the
     router, and after SIGKILL its sessions move to the other engine."""
     port = free_port()
     env = {
@@ -305,7 +305,7 @@ async def test_a_killed_engine_process_is_routed_around(
         "VERST_ENGINE_HEARTBEAT_S": "0.1",
     }
     proc = subprocess.Popen(
-        [python, "-m", "services.rollout", "engine"],
+        [python, "-m", "services.rollout"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
