@@ -14,8 +14,8 @@ from transformers import LlamaForCausalLM
 
 from services.common.bus import DATA_FIELD, Bus
 from services.common.config import JobSpec
-from services.common.pb import common_pb2, rollout_pb2
 from services.common.engine_registry import EngineRegistry
+from services.common.pb import common_pb2, rollout_pb2
 from services.common.streams import JobStreams, job_key
 from tests.helpers import eventually
 from tests.integration.rollout_helpers import (

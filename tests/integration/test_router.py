@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from services.common.bus import Bus, connect
+from services.common.engine_registry import EngineRegistry
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.redis_server import free_port
-from services.common.engine_registry import EngineRegistry
 from services.router.config import RouterSettings
 from services.router.server import Router
 from tests.helpers import eventually, serve
