@@ -162,5 +162,6 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None:
-        """Stop generating; unfinished requests end as ABORT."""
+        """Stop generating and release the backend: unfinished requests end (as ABORT on the torch
+        engine; SGLang's calls are cancelled and their samples aborted on the servers)."""
         ...

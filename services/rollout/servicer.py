@@ -118,10 +118,12 @@ async def next_delivered(queue: asyncio.Queue[Delivered]) -> list[Completion | T
     items = [await queue.get()]
     while not queue.empty():
         items.append(queue.get_nowait())
+    delivered: list[Completion | TokenIncrement] = []
     for item in items:
         if isinstance(item, Exception):
             raise item
-    return items  # type: ignore[return-value]
+        delivered.append(item)
+    return delivered
 
 
 class EngineInfoSource:

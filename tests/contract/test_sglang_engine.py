@@ -177,12 +177,15 @@ def checkpoint(tmp_path: Path, sha256: str | None = None) -> common_pb2.Checkpoi
     return common_pb2.CheckpointHandle(job_id="job-1", version=4, uri=directory.as_uri(), sha256=digest)
 
 
+def sglang_servicer(engine: SGLangEngine) -> RolloutServicer:
+    info = EngineInfoSource(engine, "engine-sg", "node:50052")
+    return RolloutServicer(engine, WeightLoader(engine, 5.0), info, EngineMetrics(engine.status))
+
+
 async def test_rollout_service_over_sglang(fake, tmp_path) -> None:
     fake.expect("health_generate", "update_weights_checkpoint", "generate_stop")
     backend = await SGLangEngineConfig(urls=(fake.url,), startup_timeout_s=2.0).start()
-    engine = SGLangEngine(backend)
-    info = EngineInfoSource(engine, "engine-sg", "node:50052")
-    servicer = RolloutServicer(engine, WeightLoader(engine, 5.0), info, EngineMetrics(engine.status))
+    servicer = sglang_servicer(SGLangEngine(backend))
     generate = rollout_pb2.GenerateRequest(
         request_id="req-stop", prompt_token_ids=[11, 12, 13], sampling=params(), job_id="job-1"
     )
@@ -262,11 +265,6 @@ async def test_a_load_naming_no_mode_uses_the_configured_default(tmp_path: Path)
     assert (calls, report.update.mode, report.update.aborted_requests) == ([True], abort, 3)
     keep = await loader.load(checkpoint(tmp_path), rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
     assert calls == [True, False] and keep.update.aborted_requests == 0
-
-
-def sglang_servicer(engine: SGLangEngine) -> RolloutServicer:
-    info = EngineInfoSource(engine, "engine-sg", "node:50052")
-    return RolloutServicer(engine, WeightLoader(engine, 5.0), info, EngineMetrics(engine.status))
 
 
 async def test_generate_failures_and_streams_over_sglang(fake, backend) -> None:
