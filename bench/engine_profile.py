@@ -27,9 +27,10 @@ import torch
 
 from bench.engine_models import MODELS
 from bench.engine_sides import CPU, sampling_configs
-from services.rollout.continuous import ContinuousBatch, record_tokens
+from services.rollout.continuous import ContinuousBatch
 from services.rollout.decoder import SlotDecoder
-from services.rollout.engine import GenerationRequest, Row
+from services.rollout.engine_protocol import GenerationRequest
+from services.rollout.requests import Row, record_tokens
 from services.rollout.sampling import BatchSampler
 from services.rollout.torch_backend import load_model
 

@@ -21,7 +21,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.engine import Completion, GenerationRequest, TorchEngine
+from services.rollout.engine import TorchEngine
+from services.rollout.engine_protocol import Completion, GenerationRequest
 from services.rollout.sampling import SamplingConfig
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 

@@ -1,5 +1,5 @@
 """Helpers the tests share: an in-process gRPC server on a loopback port, polling until something
-holds, and the messages on a stream."""
+holds, the messages on a stream, and a servicer context for direct calls."""
 
 from __future__ import annotations
 
@@ -43,3 +43,22 @@ async def eventually(probe: Callable[[], Awaitable[T]], what: str = "", timeout_
 async def stream_messages(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
     """Every message on ``stream``, oldest first."""
     return [message_type.FromString(fields[DATA_FIELD]) for _, fields in await bus.redis.xrange(stream)]
+
+
+class Aborted(Exception):
+    """What ``FakeContext.abort`` raises: the status a servicer ended a call with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class FakeContext:
+    """A ServicerContext for calling a servicer's methods directly (no deadline)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None

@@ -5,72 +5,17 @@ as soon as they finish.
 values) and a ``BatchSampler`` (settings and random streams), with each slot's position and
 last token. The engine's worker calls, per iteration: ``retire`` (drop finished samples),
 ``admit`` (prefill new ones, one prefill per request however many samples it has, and sample
-their first tokens) and ``step`` (one decode step for every live sample). ``record_tokens``
-appends what was sampled to each sample and reports the finished ones.
+their first tokens) and ``step`` (one decode step for every live sample);
+``requests.record_tokens`` appends what was sampled to each sample.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Protocol
-
 import torch
 
-from services.common.pb import common_pb2
 from services.rollout.decoder import SlotDecoder
+from services.rollout.requests import LoadedModel, Row
 from services.rollout.sampling import BatchSampler
-
-if TYPE_CHECKING:
-    from services.rollout.requests import Row
-    from services.rollout.torch_backend import LoadedModel
-
-
-class FinishHook(Protocol):
-    def finish(self, row: Row, reason: int, error: str = "") -> None: ...
-
-
-def finish_reason(row: Row, tokenizer: object | None) -> int | None:
-    """STOP, LENGTH or None (keep going) after the row's latest token."""
-    config = row.request.config
-    if row.tokens[-1] in row.stop_ids:
-        return common_pb2.FINISH_REASON_STOP
-    if config.stop and tokenizer is not None:
-        # Checked after every token, so a stop can only end in the newest one: decode a tail
-        # long enough to hold any stop string, not the whole response (quadratic otherwise).
-        tail = row.tokens[-(2 * max(map(len, config.stop)) + 8) :]
-        text = tokenizer.decode(tail)  # type: ignore[attr-defined]
-        if any(stop in text for stop in config.stop):
-            return common_pb2.FINISH_REASON_STOP
-    if len(row.tokens) >= config.max_new_tokens:
-        return common_pb2.FINISH_REASON_LENGTH
-    return None
-
-
-def record_tokens(
-    rows: list[Row],
-    tokens: torch.Tensor,
-    logprobs: torch.Tensor,
-    *,
-    version: int,
-    tokenizer: object | None,
-    hooks: FinishHook,
-) -> None:
-    """Append each unfinished row's sampled token, logprob and policy version; finish rows that stop."""
-    now = time.monotonic()
-    for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-        if row.finish is not None:
-            continue
-        row.tokens.append(token)
-        row.logprobs.append(logprob)
-        row.versions.append(version)
-        request = row.request
-        if request.first_token_at is None:
-            request.first_token_at = now
-        if request.on_tokens is not None:
-            request.on_tokens(row.index, token, logprob, version)
-        reason = finish_reason(row, tokenizer)
-        if reason is not None:
-            hooks.finish(row, reason)
 
 
 class ContinuousBatch:

@@ -18,49 +18,39 @@ flags and reads; the model is touched by the worker thread alone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.continuous import ContinuousBatch, record_tokens
+from services.rollout.continuous import ContinuousBatch
 from services.rollout.decoder import freeze_long_lived_objects, unsupported_reason
-from services.rollout.requests import (
-    Completion,
+from services.rollout.engine_protocol import (
+    NO_WEIGHTS,
     EngineStatus,
     EngineStoppedError,
     FinishReason,
     GenerationRequest,
     NoWeightsError,
+    ServedWeights,
+    check_job,
+    engine_state,
+)
+from services.rollout.requests import (
+    LiveRequests,
+    LoadedModel,
     Row,
     WeightUpdate,
-    WrongJobError,
+    record_tokens,
     validate_request,
 )
-from services.rollout.torch_backend import LoadedModel, decode_batch, load_model, serial_torch
-from services.rollout.weights import (
-    CheckpointError,
-    copy_into_model,
-    read_config,
-    read_verified_state_dict,
-    verify_weights,
-)
-
-__all__ = [
-    "Completion",
-    "EngineStatus",
-    "EngineStoppedError",
-    "GenerationRequest",
-    "NoWeightsError",
-    "Row",
-    "TorchEngine",
-    "WrongJobError",
-]
+from services.rollout.torch_backend import decode_batch, read_update, serial_torch
+from services.rollout.weights import CheckpointError, copy_into_model
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +59,9 @@ _IDLE_WAIT_S = 0.1
 
 
 class TorchEngine:
-    """Batched generation on a worker thread; thread-safe entry points for the server."""
+    """Batched generation on a worker thread; thread-safe entry points. An ``Engine``."""
+
+    backend = "torch"
 
     def __init__(
         self,
@@ -96,9 +88,8 @@ class TorchEngine:
         """The loaded model known to need the static path."""
         self.default_update_mode = default_update_mode
         self._cond = threading.Condition(threading.RLock())
-        self._queue: deque[Row] = deque()
+        self._live = LiveRequests()
         self._running: list[Row] = []
-        self._requests: dict[str, set[GenerationRequest]] = {}
         self._loaded: LoadedModel | None = None
         self._version = -1
         self._job_id = ""
@@ -112,6 +103,9 @@ class TorchEngine:
 
     # -- lifecycle ---------------------------------------------------------
 
+    def describe(self) -> str:
+        return str(self.device)
+
     def start(self) -> None:
         self._worker.start()
 
@@ -120,7 +114,7 @@ class TorchEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self.abort(all_requests=True)
+        self._abort_ids((), all_requests=True)
         if self._worker.is_alive():
             self._worker.join(timeout_s)
         self._fail_pending()
@@ -132,6 +126,9 @@ class TorchEngine:
         if update is not None:
             update.error = EngineStoppedError("engine is shutting down")
             update.done.set()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     def set_draining(self) -> None:
         with self._cond:
@@ -148,29 +145,26 @@ class TorchEngine:
             if self._stopping:
                 raise EngineStoppedError("engine is shutting down")
             if self._loaded is None:
-                raise NoWeightsError("no weights loaded")
-            if request.job_id and request.job_id != self._job_id:
-                raise WrongJobError(f"engine serves job {self._job_id!r}, not {request.job_id!r}")
+                raise NoWeightsError(NO_WEIGHTS)
+            check_job(request, self._job_id)
             validate_request(request, self._loaded)
             stop_ids = request.config.stop_token_ids
             if not request.config.ignore_eos:
                 stop_ids = stop_ids | self._loaded.eos_token_ids
-            request.unfinished = request.config.n
-            self._requests.setdefault(request.request_id, set()).add(request)
-            self._queue.extend(Row(request, i, stop_ids) for i in range(request.config.n))
+            self._live.add(request, stop_ids)
             self._cond.notify_all()
 
-    def abort(self, request_ids: Iterable[str] = (), *, all_requests: bool = False) -> int:
+    async def abort(self, request_ids: Iterable[str] = (), *, all_requests: bool = False) -> int:
         """Mark live requests aborted by id (or all of them); returns how many were hit.
 
         Queued samples finish at once (no tokens); running ones at the next decode step,
         with the tokens they have.
         """
+        return self._abort_ids(request_ids, all_requests=all_requests)
+
+    def _abort_ids(self, request_ids: Iterable[str], *, all_requests: bool) -> int:
         with self._cond:
-            if all_requests:
-                targets = {r for group in self._requests.values() for r in group}
-            else:
-                targets = {r for rid in request_ids for r in self._requests.get(rid, ())}
+            targets = self._live.matching(request_ids, all_requests=all_requests)
             self._abort_locked(targets)
             return len(targets)
 
@@ -181,25 +175,17 @@ class TorchEngine:
                 self._abort_locked({request})
 
     def _abort_locked(self, targets: set[GenerationRequest]) -> None:
-        for request in targets:
-            request.aborted = True
-        kept: deque[Row] = deque()
-        for row in self._queue:
-            if row.request.aborted:
-                self._finish(row, common_pb2.FINISH_REASON_ABORT)
-            else:
-                kept.append(row)
-        self._queue = kept
+        self._live.abort(targets)
         self._cond.notify_all()
 
-    def pause(self, *, abort_inflight: bool) -> int:
+    async def pause(self, *, abort_inflight: bool) -> int:
         """Stop starting batches and hold running ones; optionally abort what is in flight."""
         with self._cond:
             self._paused = True
             self._cond.notify_all()
-        return self.abort(all_requests=True) if abort_inflight else 0
+        return self._abort_ids((), all_requests=True) if abort_inflight else 0
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -208,19 +194,15 @@ class TorchEngine:
         with self._cond:
             running = [r for r in self._running if r.finish is None]
             running_requests = {id(r.request) for r in running}
-            queued_requests = {id(r.request) for r in self._queue} - running_requests
+            queued_requests = {id(r.request) for r in self._live.queue} - running_requests
             outstanding = sum(r.request.config.max_new_tokens - len(r.tokens) for r in running)
-            outstanding += sum(r.request.config.max_new_tokens for r in self._queue)
-            if self._loaded is None:
-                state = common_pb2.ENGINE_STATE_STARTING
-            elif self._draining:
-                state = common_pb2.ENGINE_STATE_DRAINING
-            elif self._loading or self._pending is not None:
-                state = common_pb2.ENGINE_STATE_LOADING_WEIGHTS
-            elif self._paused:
-                state = common_pb2.ENGINE_STATE_PAUSED
-            else:
-                state = common_pb2.ENGINE_STATE_SERVING
+            outstanding += sum(r.request.config.max_new_tokens for r in self._live.queue)
+            state = engine_state(
+                serving=self._loaded is not None,
+                draining=self._draining,
+                loading=bool(self._loading) or self._pending is not None,
+                paused=self._paused,
+            )
             return EngineStatus(
                 state=state,
                 policy_version=self._version,
@@ -233,6 +215,21 @@ class TorchEngine:
 
     # -- weights -----------------------------------------------------------
 
+    async def load_weights(
+        self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
+    ) -> ServedWeights:
+        """``load_checkpoint`` off the event loop."""
+        update = await asyncio.to_thread(
+            self.load_checkpoint,
+            path,
+            sha256=sha256,
+            version=version,
+            job_id=job_id,
+            mode=mode,
+            timeout_s=timeout_s,
+        )
+        return ServedWeights(update.version, update.job_id, update.path, update.mode, update.aborted_requests)
+
     def load_checkpoint(
         self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
     ) -> WeightUpdate:
@@ -241,11 +238,15 @@ class TorchEngine:
         Raises CheckpointError for a bad checkpoint, TimeoutError if the worker did not take
         it within ``timeout_s``. Callers serialize loads.
         """
+        if mode == rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED:
+            mode = self.default_update_mode
+        update = WeightUpdate(version=version, job_id=job_id, path=path, mode=mode)
         with self._cond:
             self._loading += 1
+            current = self._loaded
         try:
             with serial_torch():  # off the worker: its team of OpenMP threads must stay the only one
-                update = self._prepare(path, sha256=sha256, version=version, job_id=job_id, mode=mode)
+                read_update(update, sha256, current=current, device=self.device, dtype=self.dtype)
             with self._cond:
                 if self._stopping:
                     raise EngineStoppedError("engine is shutting down")
@@ -266,24 +267,6 @@ class TorchEngine:
             with self._cond:
                 self._loading -= 1
 
-    def _prepare(self, path: Path, *, sha256: str, version: int, job_id: str, mode: int) -> WeightUpdate:
-        if mode == rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED:
-            mode = self.default_update_mode
-        config = read_config(path)
-        with self._cond:
-            same_architecture = self._loaded is not None and self._loaded.config == config
-        update = WeightUpdate(version=version, job_id=job_id, path=path, mode=mode)
-        if same_architecture:
-            update.state_dict = read_verified_state_dict(path, sha256)
-        else:
-            verify_weights(path, sha256)
-            try:
-                update.model = load_model(path, device=self.device, dtype=self.dtype)
-            except (OSError, ValueError, RuntimeError, NotImplementedError) as err:
-                raise CheckpointError(f"cannot load a model from {path}: {err}") from err
-            update.model.config = config
-        return update
-
     def _take_update(self, live: list[Row]) -> WeightUpdate | None:
         """The pending update if it may be applied now (called by the worker, between steps)."""
         with self._cond:
@@ -296,7 +279,7 @@ class TorchEngine:
                 self._abort_locked(requests)
                 update.aborted_requests += len(requests)
                 for row in unfinished:
-                    self._finish(row, common_pb2.FINISH_REASON_ABORT)
+                    self._live.finish(row, common_pb2.FINISH_REASON_ABORT)
                 unfinished = []
             if update.model is not None and unfinished:
                 return None  # a new architecture waits for the batch to end
@@ -341,7 +324,7 @@ class TorchEngine:
             with self._cond:
                 self._stopping = True
             self._fail_pending()
-            self.abort(all_requests=True)
+            self._abort_ids((), all_requests=True)
 
     def _work_until_stopped(self) -> None:
         while True:
@@ -377,9 +360,7 @@ class TorchEngine:
         if update is not None:
             self._apply(update)
         with self._cond:
-            for row in live:
-                if row.finish is None and (row.request.aborted or self._stopping):
-                    self._finish(row, common_pb2.FINISH_REASON_ABORT)
+            self._live.finish_aborted(live, stopping=self._stopping)
             if self._stopping:
                 return False
         if batch is not None:
@@ -403,7 +384,7 @@ class TorchEngine:
             log.exception("generation failed for a batch of %d samples", len(batch.rows) + len(admitted))
             with self._cond:
                 for row in [*batch.rows, *admitted]:
-                    self._finish(row, common_pb2.FINISH_REASON_ERROR, f"{type(err).__name__}: {err}")
+                    self._live.finish(row, common_pb2.FINISH_REASON_ERROR, f"{type(err).__name__}: {err}")
             self._batch = None
         return True
 
@@ -430,29 +411,18 @@ class TorchEngine:
                 self._cond.wait(_IDLE_WAIT_S)
             return []  # a new architecture is installed once the batch drains
         if not live:
-            if not self._queue:
+            if not self._live.queue:
                 self._cond.wait(_IDLE_WAIT_S)
                 return []
             deadline = time.monotonic() + self.batch_wait_s
-            while len(self._queue) < free and not (self._stopping or self._paused):
+            while len(self._live.queue) < free and not (self._stopping or self._paused):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
             if self._stopping or self._paused:
                 return []
-        rows: list[Row] = []
-        prefill: set[int] = set()
-        budget = self.max_prefill_tokens
-        while self._queue and len(rows) < free:
-            request = self._queue[0].request
-            if id(request) not in prefill:
-                if prefill and len(request.prompt) > budget:
-                    break
-                prefill.add(id(request))
-                budget -= len(request.prompt)
-            rows.append(self._queue.popleft())
-        return rows
+        return self._live.take(free, self.max_prefill_tokens)
 
     def _static_iteration(self) -> bool:
         """The static path: one whole batch on transformers' forward; False when stopping."""
@@ -472,19 +442,19 @@ class TorchEngine:
 
     def _take_batch(self) -> list[Row]:
         """Up to max_batch_size queued rows, once a batch is full or batch_wait_s has passed."""
-        if self._paused or self._loaded is None or not self._queue or self._pending is not None:
+        if self._paused or self._loaded is None or not self._live.queue or self._pending is not None:
             self._cond.wait(_IDLE_WAIT_S)
             return []
         deadline = time.monotonic() + self.batch_wait_s
-        while len(self._queue) < self.max_batch_size:
+        while len(self._live.queue) < self.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0 or self._stopping or self._paused or self._pending is not None:
                 break
             self._cond.wait(left)
         if self._paused or self._stopping or self._pending is not None:
             return []
-        count = min(self.max_batch_size, len(self._queue))
-        return [self._queue.popleft() for _ in range(count)]
+        count = min(self.max_batch_size, len(self._live.queue))
+        return [self._live.queue.popleft() for _ in range(count)]
 
     def _run_batch(self, rows: list[Row]) -> None:
         loaded = self._loaded
@@ -496,7 +466,7 @@ class TorchEngine:
             with self._cond:
                 for row in rows:
                     if row.finish is None:
-                        self._finish(row, common_pb2.FINISH_REASON_ERROR, f"{type(err).__name__}: {err}")
+                        self._live.finish(row, common_pb2.FINISH_REASON_ERROR, f"{type(err).__name__}: {err}")
 
     # -- hooks the backend calls during a batch (worker thread) -----------------
 
@@ -508,9 +478,7 @@ class TorchEngine:
         """Between decode steps: finish aborted rows, apply weight updates, hold while paused."""
         while True:
             with self._cond:
-                for row in live:
-                    if row.finish is None and (row.request.aborted or self._stopping):
-                        self._finish(row, common_pb2.FINISH_REASON_ABORT)
+                self._live.finish_aborted(live, stopping=self._stopping)
             update = self._take_update(live)
             if update is not None:
                 self._apply(update)
@@ -522,22 +490,4 @@ class TorchEngine:
     def finish(self, row: Row, reason: FinishReason, error: str = "") -> None:
         """Complete one sample (thread-safe); called by the backend when a row stops."""
         with self._cond:
-            self._finish(row, reason, error)
-
-    def _finish(self, row: Row, reason: FinishReason, error: str = "") -> None:
-        if row.finish is not None:
-            return
-        row.finish = reason
-        request = row.request
-        request.unfinished -= 1
-        if request.unfinished == 0:
-            group = self._requests.get(request.request_id)
-            if group is not None:
-                group.discard(request)
-                if not group:
-                    del self._requests[request.request_id]
-        completion = Completion(row.index, row.tokens, row.logprobs, row.versions, reason, error)
-        try:
-            request.on_completion(completion)
-        except Exception:  # a closed event loop must not kill the worker
-            log.exception("could not deliver a completion of request %s", request.request_id)
+            self._live.finish(row, reason, error)

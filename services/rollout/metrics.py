@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.common.pb import common_pb2
-from services.rollout.engine import EngineStatus
+from services.rollout.engine_protocol import EngineStatus
 from services.rollout.watcher import LoadReport
 from services.rollout.weights import CheckpointError
 

@@ -1,63 +1,41 @@
-"""What the torch engine queues and reports: requests, their samples, weight updates, status."""
+"""What the torch engine works with: the loaded model, the samples it batches (rows) and how
+they grow token by token, and staged weight updates."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from services.rollout.sampling import SamplingConfig, row_seed
-from services.rollout.torch_backend import LoadedModel
+from services.common.pb import common_pb2
+from services.rollout.engine_protocol import Completion, FinishReason, GenerationRequest
+from services.rollout.sampling import row_seed
 
-FinishReason = int
-"""A common_pb2.FinishReason value."""
-
-
-class NoWeightsError(RuntimeError):
-    """Generate before the first checkpoint was loaded."""
-
-
-class EngineStoppedError(RuntimeError):
-    """Generate after shutdown began."""
-
-
-class WrongJobError(RuntimeError):
-    """Generate for a job other than the one whose weights the engine serves."""
-
-
-@dataclass(slots=True)
-class Completion:
-    """One finished (or aborted) sample of a request."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_versions: list[int]
-    finish_reason: FinishReason
-    error: str = ""
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class GenerationRequest:
-    """One Generate call. ``on_completion`` is called on the worker thread per finished sample."""
+class LoadedModel:
+    """A model ready to serve, with what the engine needs to know about it."""
 
-    request_id: str
-    prompt: list[int]
-    config: SamplingConfig
-    on_completion: Callable[[Completion], None]
-    job_id: str = ""
-    """When set, the engine must be serving this job's weights."""
-    on_tokens: Callable[[int, int, float, int], None] | None = None
-    """Streaming requests: called on the worker thread with (sample index, token, logprob,
-    policy version) for every token as it is sampled."""
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    aborted: bool = False
-    unfinished: int = 0
+    model: torch.nn.Module
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+    tokenizer: Any | None
+    cache_argument: str
+    """``cache`` in recent transformers, ``past_key_values`` before."""
+    keeps_last_logits: bool
+    """Whether forward takes ``logits_to_keep`` (skip the LM head on the prompt)."""
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -94,15 +72,126 @@ class WeightUpdate:
     aborted_requests: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStatus:
-    state: int
-    policy_version: int
-    job_id: str
-    model_dir: str
-    running_requests: int
-    queued_requests: int
-    outstanding_tokens: int
+class LiveRequests:
+    """The torch engine's unfinished requests and their queued samples; the engine holds its
+    lock around every call."""
+
+    def __init__(self) -> None:
+        self.queue: deque[Row] = deque()
+        """Samples waiting for a slot, in arrival order."""
+        self._by_id: dict[str, set[GenerationRequest]] = {}
+
+    def add(self, request: GenerationRequest, stop_ids: frozenset[int]) -> None:
+        """Queue the request's ``n`` samples."""
+        request.unfinished = request.config.n
+        self._by_id.setdefault(request.request_id, set()).add(request)
+        self.queue.extend(Row(request, i, stop_ids) for i in range(request.config.n))
+
+    def matching(self, request_ids: Iterable[str], *, all_requests: bool) -> set[GenerationRequest]:
+        if all_requests:
+            return {r for group in self._by_id.values() for r in group}
+        return {r for rid in request_ids for r in self._by_id.get(rid, ())}
+
+    def abort(self, targets: set[GenerationRequest]) -> None:
+        """Mark ``targets`` aborted: their queued samples finish now (no tokens), running ones at
+        the worker's next look (``finish_aborted``)."""
+        for request in targets:
+            request.aborted = True
+        kept: deque[Row] = deque()
+        for row in self.queue:
+            if row.request.aborted:
+                self.finish(row, common_pb2.FINISH_REASON_ABORT)
+            else:
+                kept.append(row)
+        self.queue = kept
+
+    def finish_aborted(self, rows: list[Row], *, stopping: bool) -> None:
+        """End the unfinished ``rows`` of aborted requests (all of them when ``stopping``) as ABORT."""
+        for row in rows:
+            if row.finish is None and (row.request.aborted or stopping):
+                self.finish(row, common_pb2.FINISH_REASON_ABORT)
+
+    def take(self, free: int, prefill_budget: int) -> list[Row]:
+        """Queued samples for ``free`` slots whose requests' prompts fit ``prefill_budget`` tokens
+        together (the first request is taken whatever its length)."""
+        rows: list[Row] = []
+        prefill: set[int] = set()
+        while self.queue and len(rows) < free:
+            request = self.queue[0].request
+            if id(request) not in prefill:
+                if prefill and len(request.prompt) > prefill_budget:
+                    break
+                prefill.add(id(request))
+                prefill_budget -= len(request.prompt)
+            rows.append(self.queue.popleft())
+        return rows
+
+    def finish(self, row: Row, reason: FinishReason, error: str = "") -> None:
+        """Complete one sample (once) and hand it to its request's caller."""
+        if row.finish is not None:
+            return
+        row.finish = reason
+        request = row.request
+        request.unfinished -= 1
+        if request.unfinished == 0:
+            group = self._by_id.get(request.request_id)
+            if group is not None:
+                group.discard(request)
+                if not group:
+                    del self._by_id[request.request_id]
+        completion = Completion(row.index, row.tokens, row.logprobs, row.versions, reason, error)
+        try:
+            request.on_completion(completion)
+        except Exception:  # a closed event loop must not kill the worker
+            log.exception("could not deliver a completion of request %s", request.request_id)
+
+
+class FinishHook(Protocol):
+    def finish(self, row: Row, reason: int, error: str = "") -> None: ...
+
+
+def finish_reason(row: Row, tokenizer: object | None) -> int | None:
+    """STOP, LENGTH or None (keep going) after the row's latest token."""
+    config = row.request.config
+    if row.tokens[-1] in row.stop_ids:
+        return common_pb2.FINISH_REASON_STOP
+    if config.stop and tokenizer is not None:
+        # Checked after every token, so a stop can only end in the newest one: decode a tail
+        # long enough to hold any stop string, not the whole response (quadratic otherwise).
+        tail = row.tokens[-(2 * max(map(len, config.stop)) + 8) :]
+        text = tokenizer.decode(tail)  # type: ignore[attr-defined]
+        if any(stop in text for stop in config.stop):
+            return common_pb2.FINISH_REASON_STOP
+    if len(row.tokens) >= config.max_new_tokens:
+        return common_pb2.FINISH_REASON_LENGTH
+    return None
+
+
+def record_tokens(
+    rows: list[Row],
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    *,
+    version: int,
+    tokenizer: object | None,
+    hooks: FinishHook,
+) -> None:
+    """Append each unfinished row's sampled token, logprob and policy version; finish rows that stop."""
+    now = time.monotonic()
+    for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        if row.finish is not None:
+            continue
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        row.versions.append(version)
+        request = row.request
+        if request.first_token_at is None:
+            request.first_token_at = now
+        if request.on_tokens is not None:
+            request.on_tokens(row.index, token, logprob, version)
+        reason = finish_reason(row, tokenizer)
+        if reason is not None:
+            hooks.finish(row, reason)
 
 
 def validate_request(request: GenerationRequest, loaded: LoadedModel) -> None:

@@ -7,17 +7,14 @@ import inspect
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from services.rollout.continuous import record_tokens
+from services.rollout.requests import LoadedModel, Row, WeightUpdate, record_tokens
 from services.rollout.sampling import BatchSampler
-
-if TYPE_CHECKING:
-    from services.rollout.engine import Row
+from services.rollout.weights import CheckpointError, read_config, read_verified_state_dict, verify_weights
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +31,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
-
-
-@dataclass(eq=False)
-class LoadedModel:
-    """A model ready to serve, with what the engine needs to know about it."""
-
-    model: torch.nn.Module
-    vocab_size: int
-    max_positions: int
-    eos_token_ids: frozenset[int]
-    pad_token_id: int
-    tokenizer: Any | None
-    cache_argument: str
-    """``cache`` in recent transformers, ``past_key_values`` before."""
-    keeps_last_logits: bool
-    """Whether forward takes ``logits_to_keep`` (skip the LM head on the prompt)."""
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 def _token_ids(value: object) -> set[int]:
@@ -109,6 +89,29 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loade
         cache_argument="cache" if "cache" in parameters else "past_key_values",
         keeps_last_logits="logits_to_keep" in parameters,
     )
+
+
+def read_update(
+    update: WeightUpdate,
+    sha256: str,
+    *,
+    current: LoadedModel | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Read and verify ``update``'s checkpoint for the worker to install: the state dict to copy
+    into ``current`` when the architecture is the same, else a new model. Raises CheckpointError."""
+    path = update.path
+    config = read_config(path)
+    if current is not None and current.config == config:
+        update.state_dict = read_verified_state_dict(path, sha256)
+        return
+    verify_weights(path, sha256)
+    try:
+        update.model = load_model(path, device=device, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, NotImplementedError) as err:
+        raise CheckpointError(f"cannot load a model from {path}: {err}") from err
+    update.model.config = config
 
 
 class DecodeHooks(Protocol):

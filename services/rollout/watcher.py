@@ -18,7 +18,7 @@ from services.common.engine_registry import EngineRegistry
 from services.common.jobs import JobNotFoundError, JobStore
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.streams import JobStreams
-from services.rollout.engine import TorchEngine, WeightUpdate
+from services.rollout.engine_protocol import Engine, ServedWeights
 from services.rollout.weights import CheckpointError, checkpoint_dir
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
 class LoadReport:
     """How a checkpoint load went."""
 
-    update: WeightUpdate
+    update: ServedWeights
     load_s: float
     """From the start of verification until the worker served the weights."""
     latency_s: float | None
@@ -55,7 +55,7 @@ class LoadReport:
 class WeightLoader:
     """Loads checkpoints into the engine one at a time (watcher and LoadWeights share it)."""
 
-    def __init__(self, engine: TorchEngine, timeout_s: float) -> None:
+    def __init__(self, engine: Engine, timeout_s: float) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
         self._lock = asyncio.Lock()
@@ -63,13 +63,12 @@ class WeightLoader:
     async def load(
         self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
     ) -> LoadReport:
-        """Verify and serve ``handle``. Raises CheckpointError (bad uri, files, sha256),
-        TimeoutError, or EngineStoppedError."""
+        """Verify and serve ``handle``. Raises CheckpointError (bad uri, files, sha256, or refused
+        by the backend), TimeoutError, EngineStoppedError, or ConnectionError (backend unreachable)."""
         async with self._lock:
             started = time.monotonic()
             path = checkpoint_dir(handle.uri)
-            update = await asyncio.to_thread(
-                self.engine.load_checkpoint,
+            update = await self.engine.load_weights(
                 path,
                 sha256=handle.sha256,
                 version=handle.version,

@@ -15,15 +15,10 @@ import pytest
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.redis_server import free_port
-from services.rollout.sglang.backend import SGLangBackend
-from services.rollout.sglang.engine import (
-    SGLangEngineConfig,
-    SGLangEngineView,
-    SGLangInfoSource,
-    SGLangRolloutServicer,
-    SGLangWeightLoader,
-    start_cancellable,
-)
+from services.rollout.metrics import EngineMetrics
+from services.rollout.servicer import EngineInfoSource, RolloutServicer
+from services.rollout.sglang.backend import SGLangBackend, Timeouts
+from services.rollout.sglang.engine import SGLangEngine, SGLangEngineConfig, start_cancellable
 from services.rollout.sglang.launch import sglang_command, sglang_env
 from services.rollout.sglang.protocol import (
     SGLangError,
@@ -32,10 +27,10 @@ from services.rollout.sglang.protocol import (
     completion_from_output,
     token_versions,
 )
+from services.rollout.watcher import WeightLoader
 from services.rollout.weights import file_sha256
-from tests.contract.sglang_fake import (
-    params,
-)
+from tests.contract.sglang_fake import params, wait_arrival
+from tests.helpers import Aborted, FakeContext
 
 # -- launching ---------------------------------------------------------------------------------
 
@@ -170,21 +165,7 @@ def test_output_ids_may_lack_a_trimmed_stop_token_and_versions_fall_back() -> No
     assert token_versions(bad_spans, 2, 7) == [2, 2]  # spans not from 0: use weight_version
 
 
-# -- the Rollout service over SGLang (sglang_engine) -------------------------------------------
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None
+# -- the Rollout service over SGLangEngine -----------------------------------------------------
 
 
 def checkpoint(tmp_path: Path, sha256: str | None = None) -> common_pb2.CheckpointHandle:
@@ -196,12 +177,15 @@ def checkpoint(tmp_path: Path, sha256: str | None = None) -> common_pb2.Checkpoi
     return common_pb2.CheckpointHandle(job_id="job-1", version=4, uri=directory.as_uri(), sha256=digest)
 
 
+def sglang_servicer(engine: SGLangEngine) -> RolloutServicer:
+    info = EngineInfoSource(engine, "engine-sg", "node:50052")
+    return RolloutServicer(engine, WeightLoader(engine, 5.0), info, EngineMetrics(engine.status))
+
+
 async def test_rollout_service_over_sglang(fake, tmp_path) -> None:
     fake.expect("health_generate", "update_weights_checkpoint", "generate_stop")
     backend = await SGLangEngineConfig(urls=(fake.url,), startup_timeout_s=2.0).start()
-    view = SGLangEngineView(backend)
-    info = SGLangInfoSource("engine-sg", "node:50052", view)
-    servicer = SGLangRolloutServicer(view, SGLangWeightLoader(view, 5.0), info)
+    servicer = sglang_servicer(SGLangEngine(backend))
     generate = rollout_pb2.GenerateRequest(
         request_id="req-stop", prompt_token_ids=[11, 12, 13], sampling=params(), job_id="job-1"
     )
@@ -274,11 +258,69 @@ async def test_a_load_naming_no_mode_uses_the_configured_default(tmp_path: Path)
     async def load_weights(path: Path, version: int, *, abort_inflight: bool) -> None:
         calls.append(abort_inflight)
 
-    backend = SimpleNamespace(load_weights=load_weights, status=lambda: SimpleNamespace(running_requests=3))
-    view = SimpleNamespace(backend=backend, loading=0, job_id="", model_dir="", status=lambda: None)
+    client = SimpleNamespace(load_weights=load_weights, status=lambda: SimpleNamespace(running_requests=3))
     abort = rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
-    loader = SGLangWeightLoader(view, 5.0, default_mode=abort)  # type: ignore[arg-type]
+    loader = WeightLoader(SGLangEngine(client, default_mode=abort), 5.0)  # type: ignore[arg-type]
     report = await loader.load(checkpoint(tmp_path), rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED)
     assert (calls, report.update.mode, report.update.aborted_requests) == ([True], abort, 3)
     keep = await loader.load(checkpoint(tmp_path), rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
     assert calls == [True, False] and keep.update.aborted_requests == 0
+
+
+async def test_generate_failures_and_streams_over_sglang(fake, backend) -> None:
+    """SGLang failing is UNAVAILABLE, SGLang refusing the input INVALID_ARGUMENT; a stream is one
+    chunk per sample, sent when SGLang answers."""
+    fake.expect("generate_500", "generate_400", "generate_stop")
+    servicer = sglang_servicer(SGLangEngine(backend))  # the backend serves v3 from the start
+    for request_id, code in (
+        ("req-500", grpc.StatusCode.UNAVAILABLE),
+        ("req-400", grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[11], sampling=params())
+        with pytest.raises(Aborted) as failed:
+            await servicer.Generate(request, FakeContext())
+        assert failed.value.code == code, request_id
+    request = rollout_pb2.GenerateRequest(
+        request_id="req-stop", prompt_token_ids=[11, 12, 13], sampling=params()
+    )
+    chunks = [chunk async for chunk in servicer.GenerateStream(request, FakeContext())]
+    assert [(c.request_id, c.index, list(c.token_ids), c.finish_reason, c.engine_id) for c in chunks] == [
+        ("req-stop", 0, [21, 22, 2], common_pb2.FINISH_REASON_STOP, "engine-sg")
+    ]
+    samples = servicer.metrics.registry.get_sample_value(
+        "verst_engine_completions_total", {"finish_reason": "stop"}
+    )
+    assert samples == 1
+
+
+async def test_a_cancelled_generate_aborts_its_samples_on_sglang(fake) -> None:
+    fake.expect("generate_slow", "abort_request_slow_rid")
+    client = SGLangBackend([fake.url], timeouts=Timeouts(generate_s=10.0, control_s=2.0), initial_version=1)
+    engine = SGLangEngine(client)
+    request = rollout_pb2.GenerateRequest(request_id="req-slow", prompt_token_ids=[11], sampling=params())
+    call = asyncio.create_task(sglang_servicer(engine).Generate(request, FakeContext()))
+    await wait_arrival(fake, "/generate")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await engine.close()  # waits for the best-effort abort
+    [abort] = fake.received("/abort_request")
+    assert abort["body"]["rid"] == fake.received("/generate")[0]["body"]["rid"]
+
+
+async def test_control_calls_to_a_failing_sglang_are_unavailable() -> None:
+    client = SGLangBackend(
+        ["http://sglang.test"], transport=httpx.MockTransport(lambda request: httpx.Response(503))
+    )
+    servicer = sglang_servicer(SGLangEngine(client))
+    calls = [
+        servicer.Abort(rollout_pb2.AbortRequest(all=True), FakeContext()),
+        servicer.Pause(rollout_pb2.PauseRequest(), FakeContext()),
+        servicer.Resume(rollout_pb2.ResumeRequest(), FakeContext()),
+    ]
+    for call in calls:
+        with pytest.raises(Aborted) as failed:
+            await call
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert (await servicer.Abort(rollout_pb2.AbortRequest(request_ids=["gone"]), FakeContext())).aborted == 0
+    await client.close()

@@ -19,7 +19,7 @@ from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.config import EngineSettings
-from services.rollout.server import EngineApp
+from services.rollout.server import EngineApp, open_torch_engine
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 from services.router.config import RouterSettings
 from services.router.server import Router
@@ -134,7 +134,7 @@ class RunningEngine:
     async def _close(self) -> None:
         await self.server.stop(None)
         await self.channel.close()
-        self.app.close()
+        await self.app.close()
         await self.redis.aclose()
 
 
@@ -152,7 +152,7 @@ async def start_engine(redis_url: str, **overrides: object) -> RunningEngine:
     }
     settings = EngineSettings(**values)  # type: ignore[arg-type]
     redis = connect(redis_url)
-    app = EngineApp(settings, redis)
+    app = EngineApp(settings, redis, await open_torch_engine(settings))
     server, address = await serve(app.register, port)
     stop = asyncio.Event()
     channel = grpc.aio.insecure_channel(address)

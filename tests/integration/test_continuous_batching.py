@@ -15,7 +15,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.decoder import SlotDecoder
-from services.rollout.engine import Completion, GenerationRequest, TorchEngine
+from services.rollout.engine import TorchEngine
+from services.rollout.engine_protocol import Completion, GenerationRequest
 from services.rollout.sampling import SamplingConfig
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 from services.trainer.batching import TrainSample, collate, token_logprobs
@@ -181,17 +182,17 @@ def test_weights_load_on_one_thread_and_the_worker_keeps_its_own(
     """Torch work off the worker (reading a checkpoint) runs on one core, so that the worker's
     OpenMP team stays the only one (see torch_backend.serial_torch); the worker keeps the
     thread count the engine was made with."""
-    import services.rollout.engine as engine_module
+    import services.rollout.torch_backend as torch_backend
 
     threads_seen: dict[str, int] = {}
     for name in ("load_model", "read_verified_state_dict"):
-        original = getattr(engine_module, name)
+        original = getattr(torch_backend, name)
 
         def recording(*args: object, _original=original, _name=name, **kwargs: object) -> object:
             threads_seen[_name] = torch.get_num_threads()
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(engine_module, name, recording)
+        monkeypatch.setattr(torch_backend, name, recording)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

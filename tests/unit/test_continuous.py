@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.common.pb import common_pb2
 from services.rollout.continuous import ContinuousBatch
-from services.rollout.requests import GenerationRequest, Row
+from services.rollout.engine_protocol import GenerationRequest
+from services.rollout.requests import LoadedModel, Row
 from services.rollout.sampling import SamplingConfig
-from services.rollout.torch_backend import LoadedModel
 
 CPU = torch.device("cpu")
 

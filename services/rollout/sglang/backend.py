@@ -248,7 +248,14 @@ class SGLangBackend:
         server failures. If the call times out or is cancelled, its samples are aborted on the
         server (best effort)."""
         config = SamplingConfig.from_proto(sampling)
-        count = config.n if n is None else n
+        return await self.generate_from_config(
+            prompt_token_ids, config, request_id, config.n if n is None else n
+        )
+
+    async def generate_from_config(
+        self, prompt_token_ids: Sequence[int], config: SamplingConfig, request_id: str, count: int
+    ) -> list[rollout_pb2.Completion]:
+        """``generate`` with validated settings: ``count`` samples under ``config``."""
         if not 1 <= count <= MAX_SAMPLES_PER_REQUEST:
             raise ValueError(f"n must be in [1, {MAX_SAMPLES_PER_REQUEST}], got {count}")
         if not prompt_token_ids or any(t < 0 for t in prompt_token_ids):

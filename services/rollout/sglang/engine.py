@@ -1,41 +1,42 @@
-"""The Rollout service over SGLang servers (``VERST_ENGINE_BACKEND=sglang``).
+"""The ``Engine`` over SGLang servers (``VERST_ENGINE_BACKEND=sglang``).
 
-The same gRPC contract, registry heartbeat and checkpoint watching as the torch engine
-(``server.py``), with generation, weight loads, aborts and pauses delegated to an
-``SGLangBackend``. Weights are verified (sha256) here, then loaded by SGLang from the same path:
-the SGLang servers must see the checkpoint directory at the path the handle names.
+``SGLangEngine`` sends generation, weight loads, aborts and pauses to an ``SGLangBackend``
+and turns its failures into the exceptions the Rollout servicer maps to gRPC statuses.
+Weights are verified (sha256) here, then loaded by SGLang from the same path: the SGLang
+servers must see the checkpoint directory at the path the handle names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import shlex
 import signal
-import socket
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import grpc
-import redis.asyncio as aioredis
-
-from services.common.engine_registry import EngineRegistry
-from services.common.grpc_server import serve
-from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.rollout.engine import EngineStatus, WeightUpdate
-from services.rollout.metrics import EngineMetrics, serving_metrics
-from services.rollout.sampling import SamplingConfig
+from services.common.pb import common_pb2, rollout_pb2
+from services.rollout.config import EngineSettings
+from services.rollout.engine_protocol import (
+    NO_WEIGHTS,
+    Completion,
+    EngineStatus,
+    EngineStoppedError,
+    EngineUnavailableError,
+    GenerationRequest,
+    NoWeightsError,
+    ServedWeights,
+    check_job,
+    engine_state,
+)
 from services.rollout.sglang.backend import SGLangBackend, Timeouts
 from services.rollout.sglang.protocol import SGLangError, SGLangHTTPError, SGLangWeightsError
-from services.rollout.watcher import Heartbeat, LoadReport, WeightWatcher
-from services.rollout.weights import CheckpointError, checkpoint_dir, verify_weights
+from services.rollout.weights import CheckpointError, verify_weights
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "verst.v1.Rollout"
 
 
 @dataclass(frozen=True)
@@ -84,286 +85,160 @@ class SGLangEngineConfig:
         return backend
 
 
-class SGLangEngineView:
-    """The engine state the watcher, the heartbeat and the servicer read (``status()``)."""
+def generation_error(err: Exception) -> Exception:
+    """What a failed generate call means to the servicer: SGLang refused the input (HTTP 400) is
+    a ValueError, any other SGLang failure EngineUnavailableError; the rest stays as it is."""
+    if isinstance(err, SGLangHTTPError) and err.status == 400:
+        return ValueError(str(err))
+    if isinstance(err, SGLangError):
+        return EngineUnavailableError(str(err))
+    return err
 
-    def __init__(self, backend: SGLangBackend, model: str = "") -> None:
-        self.backend = backend
+
+@contextlib.contextmanager
+def unavailable_on_sglang_errors() -> Iterator[None]:
+    """Control calls (abort, pause, resume): any SGLang failure is EngineUnavailableError."""
+    try:
+        yield
+    except SGLangError as err:
+        raise EngineUnavailableError(str(err)) from None
+
+
+class SGLangEngine:
+    """An ``Engine`` whose generation runs on SGLang servers, driven through ``client``."""
+
+    backend = "sglang"
+
+    def __init__(
+        self, client: SGLangBackend, default_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE
+    ) -> None:
+        self.client = client
+        self.default_mode = default_mode
+        """What a load that names no mode does to requests in flight (VERST_ENGINE_WEIGHT_UPDATE_MODE)."""
         self.job_id = ""
-        self.model_dir = model
+        self.model_dir = ""
         self.loading = 0
         self.draining = False
+        self._generating: dict[GenerationRequest, asyncio.Task[None]] = {}
+
+    def describe(self) -> str:
+        return f"SGLang {list(self.client.urls)}"
 
     def status(self) -> EngineStatus:
-        backend = self.backend.status()
-        if backend.policy_version < 0:
-            state = common_pb2.ENGINE_STATE_STARTING
-        elif self.draining:
-            state = common_pb2.ENGINE_STATE_DRAINING
-        elif self.loading:
-            state = common_pb2.ENGINE_STATE_LOADING_WEIGHTS
-        elif backend.paused:
-            state = common_pb2.ENGINE_STATE_PAUSED
-        else:
-            state = common_pb2.ENGINE_STATE_SERVING
+        client = self.client.status()
         return EngineStatus(
-            state=state,
-            policy_version=backend.policy_version,
+            state=engine_state(
+                serving=client.policy_version >= 0,
+                draining=self.draining,
+                loading=bool(self.loading),
+                paused=client.paused,
+            ),
+            policy_version=client.policy_version,
             job_id=self.job_id,
             model_dir=self.model_dir,
-            running_requests=backend.running_requests,
+            running_requests=client.running_requests,
             queued_requests=0,
             outstanding_tokens=0,
         )
 
+    # -- requests ----------------------------------------------------------------------
 
-class SGLangWeightLoader:
-    """Verifies a checkpoint and has SGLang load it; one load at a time (a WeightLoader twin)."""
+    def submit(self, request: GenerationRequest) -> None:
+        """Start the request's ``/generate`` call; its samples arrive together when it returns."""
+        if self.client.policy_version < 0:
+            raise NoWeightsError(NO_WEIGHTS)
+        check_job(request, self.job_id)
+        if self.draining:
+            raise EngineStoppedError("engine is shutting down")
+        task = asyncio.get_running_loop().create_task(self._generate(request))
+        self._generating[request] = task
+        task.add_done_callback(lambda _: self._generating.pop(request, None))
 
-    def __init__(
-        self,
-        engine: SGLangEngineView,
-        timeout_s: float,
-        metrics: EngineMetrics | None = None,
-        default_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
-    ) -> None:
-        self.engine = engine
-        self.timeout_s = timeout_s
-        self.metrics = metrics or EngineMetrics(engine.status)
-        self.default_mode = default_mode
-        """What a load that names no mode does to requests in flight (VERST_ENGINE_WEIGHT_UPDATE_MODE)."""
-        self._lock = asyncio.Lock()
+    async def _generate(self, request: GenerationRequest) -> None:
+        try:
+            outputs = await self.client.generate_from_config(
+                request.prompt, request.config, request.request_id, request.config.n
+            )
+        except Exception as err:  # the caller hears of every failure, known or not
+            self._fail(request, generation_error(err))
+            return
+        for out in outputs:  # no time to first token: SGLang answers once, at the end
+            completion = Completion(
+                out.index, list(out.token_ids), list(out.logprobs), list(out.policy_versions),
+                out.finish_reason, out.error,
+            )  # fmt: skip
+            request.on_completion(completion)
 
-    async def load(
-        self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
-    ) -> LoadReport:
-        """Raises CheckpointError (bad uri, files, sha256, or refused by SGLang), TimeoutError,
-        or ConnectionError (SGLang unreachable or failing)."""
-        return await self.metrics.observe_load(self._load(handle, mode, timeout_s))
+    @staticmethod
+    def _fail(request: GenerationRequest, err: Exception) -> None:
+        if request.on_error is not None:
+            request.on_error(err)
+            return
+        for index in range(request.config.n):
+            request.on_completion(Completion(index, [], [], [], common_pb2.FINISH_REASON_ERROR, str(err)))
 
-    async def _load(
-        self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None
-    ) -> LoadReport:
+    def cancel(self, request: GenerationRequest) -> None:
+        """Cancel the request's call: its samples are aborted on the server (best effort)."""
+        task = self._generating.get(request)
+        if task is not None:
+            task.cancel()
+
+    async def abort(self, request_ids: Sequence[str] = (), *, all_requests: bool = False) -> int:
+        with unavailable_on_sglang_errors():
+            if all_requests:
+                return await self.client.abort_all()
+            return sum([await self.client.abort(request_id) for request_id in request_ids])
+
+    async def pause(self, *, abort_inflight: bool) -> int:
+        with unavailable_on_sglang_errors():
+            return await self.client.pause(abort_inflight=abort_inflight)
+
+    async def resume(self) -> None:
+        with unavailable_on_sglang_errors():
+            await self.client.resume()
+
+    # -- weights ---------------------------------------------------------------------
+
+    async def load_weights(
+        self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
+    ) -> ServedWeights:
+        """Verify the checkpoint, then have every server load it. Raises CheckpointError (bad files
+        or sha256, or refused by SGLang), TimeoutError, or EngineUnavailableError (SGLang
+        unreachable or failing: the watcher retries, logged once)."""
         if mode == rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED:
             mode = self.default_mode
         abort = mode == rollout_pb2.WEIGHT_UPDATE_MODE_ABORT
-        async with self._lock:
-            started = time.monotonic()
-            path = checkpoint_dir(handle.uri)
-            await asyncio.to_thread(verify_weights, path, handle.sha256)
-            aborted = self.engine.backend.status().running_requests if abort else 0
-            self.engine.loading += 1
-            try:
-                async with asyncio.timeout(timeout_s or self.timeout_s):
-                    await self.engine.backend.load_weights(path, handle.version, abort_inflight=abort)
-            except SGLangWeightsError as err:  # SGLang refused this checkpoint: do not retry it
-                raise CheckpointError(str(err)) from None
-            except SGLangError as err:  # unreachable or failing: the watcher retries, logged once
-                raise ConnectionError(str(err)) from None
-            finally:
-                self.engine.loading -= 1
-            self.engine.job_id, self.engine.model_dir = handle.job_id, str(path)
-            seconds = time.monotonic() - started
-        update = WeightUpdate(handle.version, handle.job_id, path, mode, aborted_requests=aborted)
-        update.done.set()
-        latency = None
-        if handle.HasField("created_at") and handle.created_at.seconds:
-            latency = time.time() - handle.created_at.ToNanoseconds() / 1e9
-        log.info("SGLang serves %s v%d from %s (%.3fs)", handle.job_id, handle.version, path, seconds)
-        return LoadReport(update, seconds, latency)
-
-
-async def _abort_call(context: grpc.aio.ServicerContext, err: Exception) -> None:
-    """The gRPC status of a backend failure: bad input, or the engine is unavailable."""
-    if isinstance(err, ValueError) or (isinstance(err, SGLangHTTPError) and err.status == 400):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-
-
-class SGLangRolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """``verst.v1.Rollout`` over an SGLangBackend; the same statuses as the torch servicer."""
-
-    def __init__(self, view: SGLangEngineView, loader: SGLangWeightLoader, info: SGLangInfoSource) -> None:
-        self.view = view
-        self.backend = view.backend
-        self.loader = loader
-        self.info = info
-        self.metrics = loader.metrics
-
-    async def _generate(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, list[rollout_pb2.Completion]]:
-        """The request id and the completions; aborts the call with the torch servicer's statuses."""
+        await asyncio.to_thread(verify_weights, path, sha256)
+        aborted = self.client.status().running_requests if abort else 0
+        self.loading += 1
         try:
-            SamplingConfig.from_proto(request.sampling)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if not 0 <= request.resume_offset <= len(request.prompt_token_ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_offset is outside the prompt")
-        status = self.view.status()
-        if status.policy_version < 0:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no weights loaded")
-        if request.job_id and request.job_id != status.job_id:
-            message = f"engine serves job {status.job_id!r}, not {request.job_id!r}"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
-        if self.view.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
-        request_id = request.request_id or f"req-{os.urandom(8).hex()}"
-        try:
-            completions = await self.backend.generate(request.prompt_token_ids, request.sampling, request_id)
-        except (ValueError, SGLangError) as err:
-            await _abort_call(context, err)
-            raise  # unreachable: abort raises
-        for completion in completions:  # no time to first token: SGLang answers once, at the end
-            self.metrics.completed(len(completion.token_ids), completion.finish_reason)
-        return request_id, completions
-
-    async def Generate(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.GenerateResponse:
-        started = time.monotonic()
-        request_id, completions = await self._generate(request, context)
-        return rollout_pb2.GenerateResponse(
-            request_id=request_id,
-            completions=completions,
-            engine_id=self.info.engine_id,
-            stats=rollout_pb2.GenerateStats(
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=sum(len(c.token_ids) for c in completions),
-                total_s=time.monotonic() - started,
-            ),
-        )
-
-    async def GenerateStream(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
-        """One chunk per sample, all once the request is done (SGLang streaming is a later step)."""
-        request_id, completions = await self._generate(request, context)
-        for c in completions:
-            yield rollout_pb2.GenerateChunk(
-                request_id=request_id,
-                index=c.index,
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                policy_versions=c.policy_versions,
-                finish_reason=c.finish_reason,
-                engine_id=self.info.engine_id,
-                error=c.error,
-            )
-
-    async def LoadWeights(
-        self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.LoadWeightsResponse:
-        try:
-            report = await self.loader.load(request.handle, request.mode, context.time_remaining())
-        except CheckpointError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except TimeoutError as err:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err) or "weight load timed out")
-        except ConnectionError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        return rollout_pb2.LoadWeightsResponse(
-            policy_version=report.update.version,
-            load_seconds=report.load_s,
-            aborted_requests=report.update.aborted_requests,
-        )
-
-    async def Abort(
-        self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.AbortResponse:
-        try:
-            if request.all:
-                return rollout_pb2.AbortResponse(aborted=await self.backend.abort_all())
-            counts = [await self.backend.abort(rid) for rid in request.request_ids]
+            async with asyncio.timeout(timeout_s):
+                await self.client.load_weights(path, version, abort_inflight=abort)
+        except SGLangWeightsError as err:  # SGLang refused this checkpoint: do not retry it
+            raise CheckpointError(str(err)) from None
         except SGLangError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        return rollout_pb2.AbortResponse(aborted=sum(counts))
-
-    async def Pause(
-        self, request: rollout_pb2.PauseRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.PauseResponse:
-        try:
-            aborted = await self.backend.pause(abort_inflight=request.abort_inflight)
-        except SGLangError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        return rollout_pb2.PauseResponse(aborted=aborted)
-
-    async def Resume(
-        self, request: rollout_pb2.ResumeRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.ResumeResponse:
-        try:
-            await self.backend.resume()
-        except SGLangError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        return rollout_pb2.ResumeResponse()
-
-    async def GetStatus(
-        self, request: rollout_pb2.GetEngineStatusRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.EngineInfo:
-        return self.info()
-
-
-class SGLangInfoSource:
-    """This engine's EngineInfo (backend "sglang")."""
-
-    def __init__(self, engine_id: str, address: str, view: SGLangEngineView) -> None:
-        self.engine_id = engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
-        self.address = address
-        self.view = view
-
-    def __call__(self) -> common_pb2.EngineInfo:
-        status = self.view.status()
-        info = common_pb2.EngineInfo(
-            engine_id=self.engine_id,
-            address=self.address,
-            backend="sglang",
-            model=status.model_dir,
-            policy_version=status.policy_version,
-            state=status.state,  # type: ignore[arg-type]
-            running_requests=status.running_requests,
-            job_id=status.job_id,
-        )
-        info.last_heartbeat.GetCurrentTime()
-        return info
-
-
-class SGLangEngineApp:
-    """One engine process over SGLang: the servicer, the checkpoint watcher and the heartbeat."""
-
-    def __init__(self, settings: Any, redis: aioredis.Redis, backend: SGLangBackend, address: str) -> None:
-        self.backend = backend
-        self.view = SGLangEngineView(backend)
-        self.info = SGLangInfoSource(settings.engine_id, address, self.view)
-        self.metrics = EngineMetrics(self.view.status)
-        self.loader = SGLangWeightLoader(
-            self.view, settings.weight_load_timeout_s, self.metrics, settings.default_update_mode
-        )
-        self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)  # type: ignore[arg-type]
-        self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
-        self.servicer = SGLangRolloutServicer(self.view, self.loader, self.info)
-
-    @property
-    def engine_id(self) -> str:
-        return self.info.engine_id
-
-    def register(self, server: grpc.aio.Server) -> list[str]:
-        rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, server)
-        return [SERVICE_NAME]
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Watch for weights and heartbeat until ``stop``; then leave the registry."""
-        log.info("engine %s at %s on SGLang %s", self.engine_id, self.info.address, list(self.backend.urls))
-        watching = asyncio.create_task(self.watcher.run(stop))
-        try:
-            await self.heartbeat.run(stop)
+            raise EngineUnavailableError(str(err)) from None
+        except TimeoutError:
+            raise TimeoutError(f"SGLang did not load weights v{version} within {timeout_s}s") from None
         finally:
-            self.view.draining = True
-            watching.cancel()
-            await asyncio.wait([watching])
+            self.loading -= 1
+        self.job_id, self.model_dir = job_id, str(path)
+        return ServedWeights(version, job_id, path, mode, aborted_requests=aborted)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def set_draining(self) -> None:
+        self.draining = True
 
     async def close(self) -> None:
-        """Close the HTTP client; stop the SGLang server if this engine launched it."""
-        await self.backend.close()
+        """Cancel the calls in flight, close the HTTP client, and stop the SGLang server if this
+        engine launched it."""
+        calls = list(self._generating.values())
+        for call in calls:
+            call.cancel()
+        if calls:
+            await asyncio.wait(calls, timeout=self.client.timeouts.control_s)
+        await self.client.close()
 
 
 async def start_cancellable(config: SGLangEngineConfig) -> SGLangBackend:
@@ -380,17 +255,12 @@ async def start_cancellable(config: SGLangEngineConfig) -> SGLangBackend:
             loop.remove_signal_handler(sig)
 
 
-async def serve_sglang_engine(settings: Any, redis: aioredis.Redis, address: str) -> None:
-    """The engine process with ``VERST_ENGINE_BACKEND=sglang``: start or attach, then serve."""
+async def open_sglang_engine(settings: EngineSettings) -> SGLangEngine | None:
+    """Attach to (or launch) the SGLang servers ``settings`` name; None if a signal stopped the start."""
     logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # a line per call
     try:
-        backend = await start_cancellable(SGLangEngineConfig.from_settings(settings))
+        client = await start_cancellable(SGLangEngineConfig.from_settings(settings))
     except asyncio.CancelledError:
         log.info("stopped while SGLang was starting")
-        return
-    app = SGLangEngineApp(settings, redis, backend, address)
-    try:
-        with serving_metrics(app.metrics, settings.host, settings.metrics_port, settings.metrics_enabled):
-            await serve(settings, app.register, background=app.run)
-    finally:
-        await app.close()
+        return None
+    return SGLangEngine(client, settings.default_update_mode)

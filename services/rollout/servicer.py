@@ -1,0 +1,307 @@
+"""``verst.v1.Rollout`` over any ``Engine``: requests in, completions and chunks out, one table
+from the engine's exceptions to gRPC status codes, and the engine's EngineInfo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.rollout.engine_protocol import (
+    Completion,
+    Engine,
+    EngineStoppedError,
+    GenerationRequest,
+    NoWeightsError,
+    WrongJobError,
+)
+from services.rollout.metrics import EngineMetrics
+from services.rollout.sampling import SamplingConfig
+from services.rollout.watcher import WeightLoader
+
+SERVICE_NAME = "verst.v1.Rollout"
+
+STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (NoWeightsError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready yet: the caller may retry
+    (WrongJobError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready for this job yet
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # bad input; CheckpointError is one too
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+    (ConnectionError, grpc.StatusCode.UNAVAILABLE),  # the backend is unreachable or failing
+)
+"""The gRPC status of each exception an Engine (or the weight loader) raises, first match wins;
+anything else is a bug and reaches the caller as UNKNOWN."""
+
+
+def status_code(err: Exception) -> grpc.StatusCode | None:
+    """The status STATUS_CODES gives ``err``, or None when it names none."""
+    return next((code for kind, code in STATUS_CODES if isinstance(err, kind)), None)
+
+
+@contextlib.asynccontextmanager
+async def engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Abort the call with the status of an engine exception raised in the block."""
+    try:
+        yield
+    except Exception as err:
+        code = status_code(err)
+        if code is None:
+            raise
+        await context.abort(code, str(err) or type(err).__name__)
+
+
+def completion_proto(completion: Completion) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        index=completion.index,
+        token_ids=completion.token_ids,
+        logprobs=completion.logprobs,
+        policy_versions=completion.policy_versions,
+        finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+        error=completion.error,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIncrement:
+    """One new token of one sample of a streaming request."""
+
+    index: int
+    token: int
+    logprob: float
+    version: int
+
+
+Delivered = Completion | TokenIncrement | Exception
+"""What reaches a request's queue: a sample's new token, a finished sample, or the request's failure."""
+
+
+class Delivery:
+    """Hands one request's completions from the engine (any thread) to its caller's queue,
+    counting them on the event loop (also those whose caller has gone: their tokens were made)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics) -> None:
+        self.loop = loop
+        self.metrics = metrics
+        self.queue: asyncio.Queue[Delivered] = asyncio.Queue()
+        self.request: GenerationRequest | None = None
+        self._first_token_seen = False
+
+    def __call__(self, completion: Completion) -> None:
+        """The request's on_completion."""
+        self.loop.call_soon_threadsafe(self._deliver, completion)
+
+    def token(self, index: int, token: int, logprob: float, version: int) -> None:
+        """The request's on_tokens, for streaming requests."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, TokenIncrement(index, token, logprob, version))
+
+    def fail(self, err: Exception) -> None:
+        """The request's on_error."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, err)
+
+    def _deliver(self, completion: Completion) -> None:
+        self.metrics.completed(len(completion.token_ids), completion.finish_reason)
+        request = self.request
+        if not self._first_token_seen and request is not None and request.first_token_at is not None:
+            self._first_token_seen = True
+            self.metrics.first_token(request.first_token_at - request.submitted_at)
+        self.queue.put_nowait(completion)
+
+
+async def next_delivered(queue: asyncio.Queue[Delivered]) -> list[Completion | TokenIncrement]:
+    """What is in the queue, waiting for the first item; raises the request's failure."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    delivered: list[Completion | TokenIncrement] = []
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+        delivered.append(item)
+    return delivered
+
+
+class EngineInfoSource:
+    """Builds this engine's EngineInfo (GetStatus, the registry heartbeat) from its live status."""
+
+    def __init__(self, engine: Engine, engine_id: str, address: str) -> None:
+        self.engine = engine
+        self.engine_id = engine_id
+        self.address = address
+
+    def __call__(self) -> common_pb2.EngineInfo:
+        status = self.engine.status()
+        info = common_pb2.EngineInfo(
+            engine_id=self.engine_id,
+            address=self.address,
+            backend=self.engine.backend,
+            model=status.model_dir,
+            policy_version=status.policy_version,
+            state=status.state,  # type: ignore[arg-type]
+            running_requests=status.running_requests,
+            queued_requests=status.queued_requests,
+            outstanding_tokens=status.outstanding_tokens,
+            job_id=status.job_id,
+        )
+        info.last_heartbeat.GetCurrentTime()
+        return info
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Generate, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus over an Engine.
+
+    Generate answers FAILED_PRECONDITION before the first checkpoint, and when the request
+    names a job (job_id) other than the one whose weights are served. resume_offset is only
+    checked: the engine conditions on the whole prompt, and max_new_tokens counts new tokens.
+    """
+
+    def __init__(
+        self, engine: Engine, loader: WeightLoader, info: EngineInfoSource, metrics: EngineMetrics
+    ) -> None:
+        self.engine = engine
+        self.loader = loader
+        self.info = info
+        self.metrics = metrics
+        self.engine_id = info.engine_id
+
+    async def _submit(
+        self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
+    ) -> tuple[GenerationRequest, asyncio.Queue[Delivered]]:
+        """Validate and queue a request; raises what the engine raises (see STATUS_CODES)."""
+        config = SamplingConfig.from_proto(request.sampling)
+        if not 0 <= request.resume_offset <= len(request.prompt_token_ids):
+            raise ValueError(
+                f"resume_offset {request.resume_offset} is outside the prompt's "
+                f"{len(request.prompt_token_ids)} tokens"
+            )
+        delivery = Delivery(asyncio.get_running_loop(), self.metrics)
+        generation = GenerationRequest(
+            request_id=request.request_id or f"req-{uuid.uuid4().hex}",
+            prompt=list(request.prompt_token_ids),
+            config=config,
+            on_completion=delivery,
+            job_id=request.job_id,
+            on_tokens=delivery.token if stream else None,
+            on_error=delivery.fail,
+        )
+        delivery.request = generation
+        self.engine.submit(generation)
+        return generation, delivery.queue
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        async with engine_errors(context):
+            generation, queue = await self._submit(request)
+            completions: list[Completion] = []
+            try:
+                while len(completions) < generation.config.n:
+                    for item in await next_delivered(queue):
+                        assert isinstance(item, Completion)  # unary requests get no increments
+                        completions.append(item)
+            except asyncio.CancelledError:  # the caller's deadline passed or it went away
+                self.engine.cancel(generation)
+                raise
+        completions.sort(key=lambda completion: completion.index)
+        first = generation.first_token_at
+        return rollout_pb2.GenerateResponse(
+            request_id=generation.request_id,
+            completions=[completion_proto(c) for c in completions],
+            engine_id=self.engine_id,
+            stats=rollout_pb2.GenerateStats(
+                prompt_tokens=len(generation.prompt),
+                completion_tokens=sum(len(c.token_ids) for c in completions),
+                time_to_first_token_s=(first - generation.submitted_at) if first is not None else 0.0,
+                total_s=time.monotonic() - generation.submitted_at,
+            ),
+        )
+
+    async def GenerateStream(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        """Streams each sample's new tokens as they are sampled: whatever arrived since the last
+        chunk goes out as one chunk per sample; a sample's last chunk carries its finish reason."""
+        async with engine_errors(context):
+            generation, queue = await self._submit(request, stream=True)
+            streamed: dict[int, int] = {}
+            finished = 0
+            try:
+                while finished < generation.config.n:
+                    items = await next_delivered(queue)
+                    for chunk in self._chunks(generation.request_id, items, streamed):
+                        finished += chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                        yield chunk
+            except asyncio.CancelledError:
+                self.engine.cancel(generation)
+                raise
+
+    def _chunks(
+        self, request_id: str, items: list[Completion | TokenIncrement], streamed: dict[int, int]
+    ) -> list[rollout_pb2.GenerateChunk]:
+        """Chunks for a run of increments and completions, in order, one open chunk per sample."""
+        chunks: list[rollout_pb2.GenerateChunk] = []
+        open_chunks: dict[int, rollout_pb2.GenerateChunk] = {}
+        for item in items:
+            chunk = open_chunks.get(item.index)
+            if chunk is None:
+                chunk = rollout_pb2.GenerateChunk(
+                    request_id=request_id, index=item.index, engine_id=self.engine_id
+                )
+                open_chunks[item.index] = chunk
+                chunks.append(chunk)
+            if isinstance(item, TokenIncrement):
+                chunk.token_ids.append(item.token)
+                chunk.logprobs.append(item.logprob)
+                chunk.policy_versions.append(item.version)
+                streamed[item.index] = streamed.get(item.index, 0) + 1
+                continue
+            done = streamed.get(item.index, 0)  # tokens the increments did not carry (none, usually)
+            chunk.token_ids.extend(item.token_ids[done:])
+            chunk.logprobs.extend(item.logprobs[done:])
+            chunk.policy_versions.extend(item.policy_versions[done:])
+            chunk.finish_reason = item.finish_reason  # type: ignore[assignment]
+            chunk.error = item.error
+            del open_chunks[item.index]
+        return chunks
+
+    async def LoadWeights(
+        self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.LoadWeightsResponse:
+        async with engine_errors(context):
+            report = await self.loader.load(request.handle, request.mode, context.time_remaining())
+        return rollout_pb2.LoadWeightsResponse(
+            policy_version=report.update.version,
+            load_seconds=report.load_s,
+            aborted_requests=report.update.aborted_requests,
+        )
+
+    async def Abort(
+        self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortResponse:
+        async with engine_errors(context):
+            aborted = await self.engine.abort(request.request_ids, all_requests=request.all)
+        return rollout_pb2.AbortResponse(aborted=aborted)
+
+    async def Pause(
+        self, request: rollout_pb2.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PauseResponse:
+        async with engine_errors(context):
+            aborted = await self.engine.pause(abort_inflight=request.abort_inflight)
+        return rollout_pb2.PauseResponse(aborted=aborted)
+
+    async def Resume(
+        self, request: rollout_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ResumeResponse:
+        async with engine_errors(context):
+            await self.engine.resume()
+        return rollout_pb2.ResumeResponse()
+
+    async def GetStatus(
+        self, request: rollout_pb2.GetEngineStatusRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.EngineInfo:
+        return self.info()
