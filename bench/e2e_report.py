@@ -31,9 +31,11 @@ DIFFERENCES = """
 Differences between the sides that the race does not remove:
 
 - verst overlaps rollout and training (`algorithm.max_staleness`, see the settings above): a
-  step's samples may come from the policy one version behind, and the clipped ratio is taken
-  against the engine's own logprobs; TRL generates each step's samples with the current weights,
-  so its ratio is 1 and the clip never acts (one optimiser step per generation).
+  step's samples may come from the policy one version behind, trained on without an importance
+  correction (`tis_cap` off); TRL samples each step with the current weights. On both sides the
+  ratio's denominator is the trainer's own logprobs under the weights before the step, so with one
+  optimiser step per batch the ratio is 1 and the clip never acts; verst computes those logprobs
+  in a forward pass of its own, TRL reuses the step's (the same values).
 - Advantages: both (r - group mean) / (group std + eps) with the unbiased std; eps is 1e-6 in
   verst, 1e-4 in TRL.
 - Sampling: verst's engine samples with its own RNG (seeded by the job's seed), TRL with

@@ -28,7 +28,10 @@ from bench.e2e_verst import CheckpointCatcher, created_at, job_spec
 from services.common.config import parse_job_spec
 
 HP = Hyper(
-    task="addition", model_dir="/models/a", seed=3, **{**BENCH_TASKS["addition"].hyper, "max_steps": 12}
+    task="addition",
+    model_dir="/models/a",
+    seed=3,
+    **{**BENCH_TASKS["addition"].hyper, "max_steps": 12, "eval_every": 5},
 )
 
 
