@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
-from bench.e2e_runs import Hyper, Outcome, Run, seconds_to_target
+from bench.e2e_runs import Hyper, Outcome, Run, median_of, seconds_to_target, steps_to_target
 from bench.e2e_tasks import BenchTask
 
 SECTION_TITLE = "## e2e (bench/e2e.py)"
@@ -106,14 +105,23 @@ def curves_table(runs: Sequence[Run]) -> list[str]:
     return rows
 
 
+def medians_line(runs: Sequence[Run], result: Outcome) -> str:
+    """Per side, the medians over its runs: seconds and steps to target, seconds per step."""
+    target = result.target
+    steps = {side: median_of(runs, side, lambda r: steps_to_target(r, target)) for side in ("verst", "trl")}
+    per_step = {side: median_of(runs, side, lambda r: r.seconds_per_step) for side in ("verst", "trl")}
+    return (
+        f"Medians: verst {fmt_s(result.verst_s)} s, TRL {fmt_s(result.trl_s)} s to accuracy {target:g};"
+        f" steps to it verst {steps['verst']:g}, TRL {steps['trl']:g}; seconds per step verst"
+        f" {per_step['verst']:.3f}, TRL {per_step['trl']:.3f}"
+        + ("" if result.all_reached else "; NOT every run reached the target")
+    )
+
+
 def section(
     command: str, host: dict[str, str], settings: list[str], runs: Sequence[Run], result: Outcome
 ) -> str:
     """This benchmark's section of RESULTS.md, up to (not including) its notes."""
-    per_side = {
-        side: statistics.median(r.seconds_per_step for r in runs if r.side == side)
-        for side in ("verst", "trl")
-    }
     lines = [
         SECTION_TITLE,
         "",
@@ -126,9 +134,7 @@ def section(
         "",
         *runs_table(runs, result.target),
         "",
-        f"Medians: verst {fmt_s(result.verst_s)} s, TRL {fmt_s(result.trl_s)} s to accuracy"
-        f" {result.target:g}; seconds per step verst {per_side['verst']:.3f}, TRL {per_side['trl']:.3f}"
-        + ("" if result.all_reached else "; NOT every run reached the target"),
+        medians_line(runs, result),
         "",
         f"    {result.line()}",
         "",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -152,6 +152,18 @@ def seconds_to_target(run: Run, target: float) -> float:
     """Training seconds to the target accuracy; infinite when the run never got there."""
     point = run.reached(target)
     return point.seconds if point is not None else math.inf
+
+
+def steps_to_target(run: Run, target: float) -> float:
+    """The step of the run's first checkpoint at or above the target; infinite when none got there."""
+    point = run.reached(target)
+    return point.step if point is not None else math.inf
+
+
+def median_of(runs: Sequence[Run], side: Side, measure: Callable[[Run], float]) -> float:
+    """Median of ``measure`` over one side's runs (nan when it has none)."""
+    values = [measure(run) for run in runs if run.side == side]
+    return statistics.median(values) if values else math.nan
 
 
 def median_seconds(runs: Sequence[Run], target: float) -> float:

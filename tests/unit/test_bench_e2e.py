@@ -10,16 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.e2e_report import curves_table, section
+from bench.e2e_report import curves_table, medians_line, section
 from bench.e2e_runs import (
     Hyper,
     Outcome,
     Point,
     Run,
+    median_of,
     outcome,
     read_run,
     run_order,
     seconds_to_target,
+    steps_to_target,
     write_run,
 )
 from bench.e2e_tasks import BENCH_TASKS
@@ -76,6 +78,10 @@ def test_medians_ratio_and_misses() -> None:
     ]
     result = outcome("addition", 0.6, runs)
     assert (result.verst_s, result.trl_s) == (3.0, 6.0)
+    assert [steps_to_target(r, 0.6) for r in runs] == [5, 10, 5, 5, math.inf, 5]
+    assert median_of(runs, "trl", lambda r: steps_to_target(r, 0.6)) == 5
+    assert median_of(runs, "verst", lambda r: steps_to_target(r, 0.6)) == 5
+    assert medians_line(runs, result).endswith("NOT every run reached the target")
     assert result.ratio == 2.0
     assert not result.all_reached
     assert outcome("addition", 0.6, [r for r in runs if r.pair < 3]).all_reached
