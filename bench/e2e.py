@@ -28,7 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e_report import NOTES_MARKER, SECTION_TITLE, medians_line, run_line, section, settings_lines
+from bench.e2e_report import (
+    NOTES_MARKER,
+    SECTION_TITLE,
+    load_warning,
+    medians_line,
+    run_line,
+    section,
+    settings_lines,
+)
 from bench.e2e_runs import Hyper, Run, outcome, read_run, run_order, write_run
 from bench.e2e_tasks import BENCH_TASKS, BenchTask, get_bench_task
 from bench.e2e_trl import RUN_FILE, write_settings
@@ -169,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"updated {args.results}")
     for run in runs:
         print(run_line(run, args.target))
+    if warning := load_warning(runs):
+        print(warning)
     print(medians_line(runs, result))
     print(result.line())
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from bench.e2e_runs import Hyper, Outcome, Run, median_of, seconds_to_target, steps_to_target
 from bench.e2e_tasks import BenchTask
+from bench.report import BUSY_MACHINE
 
 SECTION_TITLE = "## e2e (bench/e2e.py)"
 NOTES_MARKER = "<!-- notes: written by hand; bench/e2e.py keeps everything from here to the next section -->"
@@ -78,7 +79,7 @@ def settings_lines(hp: Hyper, task: BenchTask, max_staleness: int, threads: int)
 
 def runs_table(runs: Sequence[Run], target: float) -> list[str]:
     rows = [
-        "| run | steps to target | seconds to target | s/step (median) | final accuracy"
+        "| run | steps to target | seconds to target | s/step (mean) | final accuracy"
         " | start to step 1, s | other load, cores |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -103,6 +104,17 @@ def curves_table(runs: Sequence[Run]) -> list[str]:
         cells = [f"{acc[step]:.3f}" if acc.get(step) is not None else "" for acc in by_run]
         rows.append(f"| {step} | " + " | ".join(cells) + " |")
     return rows
+
+
+def load_warning(runs: Sequence[Run]) -> str:
+    """A warning naming the runs during which other processes kept the machine busy ('' if none)."""
+    busy = [f"{run.side} {run.pair} ({run.other_load:.2f})" for run in runs if run.other_load > BUSY_MACHINE]
+    if not busy:
+        return ""
+    return (
+        f"warning: other processes kept more than {BUSY_MACHINE} cores busy during {', '.join(busy)}:"
+        " those runs' seconds are high"
+    )
 
 
 def medians_line(runs: Sequence[Run], result: Outcome) -> str:
@@ -135,6 +147,7 @@ def section(
         *runs_table(runs, result.target),
         "",
         medians_line(runs, result),
+        *([load_warning(runs)] if load_warning(runs) else []),
         "",
         f"    {result.line()}",
         "",

@@ -96,9 +96,11 @@ class Run:
 
     @property
     def seconds_per_step(self) -> float:
+        """Mean training seconds of the steps after step 1 (a mean, not a median: verst's steps
+        come in pairs, one short and one long, when rollouts run a version ahead)."""
         if self.step_seconds:
-            return statistics.median(self.step_seconds)
-        return self.train_seconds / self.steps if self.steps else math.nan
+            return sum(self.step_seconds) / len(self.step_seconds)
+        return self.train_seconds / (self.steps - 1) if self.steps > 1 else math.nan
 
     def reached(self, target: float) -> Point | None:
         """The first evaluated checkpoint at or above ``target``; None if no checkpoint got there."""

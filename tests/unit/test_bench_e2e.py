@@ -60,11 +60,13 @@ def test_unevaluated_points_never_reach_the_target() -> None:
     assert seconds_to_target(run, 0.5) == 6.0
 
 
-def test_seconds_per_step_prefers_the_measured_steps() -> None:
-    run = run_of("trl", 1, [(0, 0.0, 0.1), (10, 5.0, 0.5)])
-    assert run.seconds_per_step == 0.5
-    run.step_seconds = [0.3, 0.2, 0.9]
-    assert run.seconds_per_step == 0.3
+def test_seconds_per_step_is_the_mean_of_the_measured_steps() -> None:
+    run = run_of("trl", 1, [(0, 0.0, 0.1), (11, 5.0, 0.5)])
+    assert run.seconds_per_step == 0.5  # 10 steps after step 1 in 5 s
+    run.step_seconds = [0.2, 0.8, 0.2, 0.8, 0.2, 0.8]  # verst's pairs: the median would say 0.5 by luck
+    assert run.seconds_per_step == pytest.approx(0.5)
+    run.step_seconds = [0.2, 0.2, 1.1]
+    assert run.seconds_per_step == pytest.approx(0.5)
 
 
 def test_medians_ratio_and_misses() -> None:
@@ -197,6 +199,11 @@ def test_the_section_has_the_curves_and_the_final_line() -> None:
     text = section("cmd", {"cpu": "x"}, ["- settings"], runs, result)
     assert "    e2e: task=addition verst_s=2.0 trl_s=4.0 ratio=2.00" in text
     assert curves_table(runs)[2:] == ["| 0 | 0.250 | 0.250 |", "| 5 | 0.700 | 0.600 |"]
+    assert "warning" not in text  # the load of both runs is unknown (nan), not high
+    runs[1].other_load = 0.8
+    assert "warning: other processes kept more than 0.1 cores busy during trl 1 (0.80)" in section(
+        "cmd", {}, [], runs, result
+    )
 
 
 def test_the_trl_callback_saves_at_the_eval_steps_and_leaves_step_one_out(tmp_path: Path) -> None:
