@@ -39,7 +39,8 @@ Differences between the sides that the race does not remove:
 - Advantages: both (r - group mean) / (group std + eps) with the unbiased std; eps is 1e-6 in
   verst, 1e-4 in TRL.
 - Sampling: verst's engine samples with its own RNG (seeded by the job's seed), TRL with
-  transformers' `generate` (seeded by `seed`); the samples differ, so do the curves, run to run.
+  transformers' `generate` (seeded by `seed`), so the samples differ; TRL's runs repeat exactly on
+  the CPU, verst's vary with the timing of its asynchronous services.
 - TRL writes the prompts with BOS spelled out as text, which its tokenizer turns into exactly the
   ids verst's prompt encoding gives (checked at every TRL start).
 """
