@@ -47,7 +47,8 @@ Differences between the sides that the race does not remove:
 
 
 def fmt_s(value: float) -> str:
-    return f"{value:.1f}" if math.isfinite(value) else "not reached"
+    """Seconds to target as text: ``10.6 s``, or ``not reached``."""
+    return f"{value:.1f} s" if math.isfinite(value) else "not reached"
 
 
 def run_line(run: Run, target: float) -> str:
@@ -57,7 +58,7 @@ def run_line(run: Run, target: float) -> str:
     reached = f"step {hit.step} (accuracy {hit.accuracy:.3f})" if hit else "not reached"
     parts = [
         f"{run.side} run {run.pair}: target {target:g} at {reached}",
-        f"{fmt_s(seconds_to_target(run, target))} s to target",
+        f"{fmt_s(seconds_to_target(run, target))} to target",
         f"{run.seconds_per_step:.3f} s/step",
         f"accuracy {final.accuracy or 0:.3f} at step {final.step}",
         f"other load {run.other_load:.2f} cores",
@@ -80,7 +81,7 @@ def settings_lines(hp: Hyper, task: BenchTask, max_staleness: int, threads: int)
 
 def runs_table(runs: Sequence[Run], target: float) -> list[str]:
     rows = [
-        "| run | steps to target | seconds to target | s/step (mean) | final accuracy"
+        "| run | steps to target | time to target | s/step (mean) | final accuracy"
         " | start to step 1, s | other load, cores |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -124,7 +125,7 @@ def medians_line(runs: Sequence[Run], result: Outcome) -> str:
     steps = {side: median_of(runs, side, lambda r: steps_to_target(r, target)) for side in ("verst", "trl")}
     per_step = {side: median_of(runs, side, lambda r: r.seconds_per_step) for side in ("verst", "trl")}
     return (
-        f"Medians: verst {fmt_s(result.verst_s)} s, TRL {fmt_s(result.trl_s)} s to accuracy {target:g};"
+        f"Medians: verst {fmt_s(result.verst_s)}, TRL {fmt_s(result.trl_s)} to accuracy {target:g};"
         f" steps to it verst {steps['verst']:g}, TRL {steps['trl']:g}; seconds per step verst"
         f" {per_step['verst']:.3f}, TRL {per_step['trl']:.3f}"
         + ("" if result.all_reached else "; NOT every run reached the target")

@@ -175,9 +175,12 @@ def run_verst(
             time.sleep(POLL_S)
         catcher.poll()
         load = CpuSample.now("").other_cores_since(load_from) if load_from is not None else float("nan")
+    ended = f"job {job_id} ended {job['state']}: {job.get('reason', '')} (logs in {config.log_dir})"
+    if 1 not in catcher.times:
+        raise RuntimeError(ended)
     run = catcher.run_of(pair)
     run.other_load, run.wall_s = load, time.monotonic() - started
     if job["state"] != "JOB_STATE_SUCCEEDED":
-        run.note = f"job ended {job['state']}: {job.get('reason', '')}"
+        run.note = ended
     shutil.rmtree(checkpoints, ignore_errors=True)
     return run
