@@ -41,26 +41,26 @@ class BenchTask:
 
     def model_dir(self) -> Path:
         """The base model's directory, built once and cached by verst."""
-        from services.tasks.basemodel import resolve_model_path
+        from services.tasks import resolve_model_path
 
         return Path(resolve_model_path(self.model))
 
     def train_examples(self, seed: int, count: int) -> list[Any]:
         """The first ``count`` training prompts of ``seed``: those a job with that seed is fed, in order."""
-        from services.tasks.catalog import get_task
+        from services.tasks import get_task
 
         stream = get_task(self.catalog_name).train(seed)
         return [next(stream) for _ in range(count)]
 
     def eval_examples(self, count: int) -> list[Any]:
         """The first ``count`` prompts of the held-out split."""
-        from services.tasks.catalog import get_task
+        from services.tasks import get_task
 
         return list(get_task(self.catalog_name).eval())[:count]
 
     def scorer(self) -> Callable[[str, str], float]:
         """(response text, answer) -> reward: the task's own scorer, the one verst's verifier runs."""
-        from services.tasks.catalog import get_task
+        from services.tasks import get_task
 
         score = get_task(self.catalog_name).score
         return lambda text, answer: float(score(text, answer)[0])
@@ -94,7 +94,7 @@ goes here once services/tasks provides its catalog task and builtin model."""
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """A prompt's token ids as every verst component encodes them (BOS, then the text's tokens)."""
-    from services.tasks.catalog import encode_prompt as encode
+    from services.tasks import encode_prompt as encode
 
     return encode(tokenizer, text)
 
