@@ -35,6 +35,7 @@ from services.trainer.batching import (
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
 from services.trainer.critic import Critic
+from services.trainer.extension_locks import extension_build_guard
 from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import StepStats, Totals, combine, micro_batch_loss, optimiser_step_plan
 
@@ -99,7 +100,8 @@ def init_distributed(device: torch.device, timeout: timedelta = DISTRIBUTED_TIME
             torch.distributed.init_process_group(
                 backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    with extension_build_guard():  # DeepSpeed JIT-loads its CPU communication op here
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 def zero_stage(trainer: TrainerConfig) -> int:
