@@ -347,13 +347,12 @@ class Policy:
     def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         return token_logprobs(self.engine(**batch.model_inputs()).logits, batch.input_ids)
 
-    def save(self, directory: Path, training_state: bool = True) -> None:
-        """An HF-loadable directory: one model.safetensors, config, tokenizer files; with
-        ``training_state``, DeepSpeed's checkpoint of the optimiser and schedule too.
+    def save(self, directory: Path) -> None:
+        """The weights as an HF-loadable directory in the engine's dtype (the module's: DeepSpeed
+        casts it to model.dtype): one model.safetensors, config, tokenizer files.
 
         With several ranks every rank calls it, on the same (shared) directory: ZeRO-3
-        gathers the weights, and each rank writes its own optimiser partition; rank 0
-        writes the rest.
+        gathers the weights for rank 0 to write.
         """
         import deepspeed
 
@@ -365,12 +364,15 @@ class Policy:
                 module.save_pretrained(directory, max_shard_size="100000GB")
         if first:
             self.tokenizer.save_pretrained(directory)
-        if training_state:
-            state = directory / TRAINING_STATE_DIR
-            self.engine.save_checkpoint(str(state), tag=TRAINING_STATE_TAG, save_latest=False)
-            if first:
-                layout = {"world_size": distributed.size(), "zero_stage": self.zero_stage}
-                (state / TRAINING_STATE_FILE).write_text(json.dumps(layout))
+
+    def save_training_state(self, directory: Path) -> None:
+        """DeepSpeed's checkpoint of the optimiser and schedule in ``directory/training_state``;
+        every rank writes its own optimiser partition (call it on every rank)."""
+        state = directory / TRAINING_STATE_DIR
+        self.engine.save_checkpoint(str(state), tag=TRAINING_STATE_TAG, save_latest=False)
+        if distributed.rank() == 0:
+            layout = {"world_size": distributed.size(), "zero_stage": self.zero_stage}
+            (state / TRAINING_STATE_FILE).write_text(json.dumps(layout))
 
     def close(self) -> None:
         """Release the engine's memory before the next job."""
