@@ -8,18 +8,19 @@ import dataclasses
 import hashlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.common.bus import Delivery
+from services.common.bus import Bus, Delivery
 from services.common.config import AlgorithmConfig, JobSpec, JobSpecError, TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2
 from services.trainer.batching import TrainSample, collate, token_logprobs
 from services.trainer.checkpoints import CheckpointStore
-from services.trainer.collector import GroupCollector, Outcome, TrainedWindow
+from services.trainer.collector import Group, GroupCollector, Outcome, TrainedWindow
+from services.trainer.lineage import Lineage
 from services.trainer.losses import POLICY_LOSSES
 from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
 from services.trainer.policy import learning_rate_schedule
@@ -143,6 +144,26 @@ def test_the_trained_window_keeps_the_last_manifests_and_its_floor() -> None:
     resumed = TrainedWindow(depth=2)
     resumed.seal(4, ["c"])
     assert "c" in resumed and resumed.floor == 4 and resumed.since_durable() == []
+
+
+def test_a_lineage_drops_groups_its_weights_cannot_have_sampled(tmp_path: Path) -> None:
+    spec = parse_job_spec({"trainer": {"checkpoint_dir": str(tmp_path)}})
+    lineage = Lineage(cast(Bus, None), "job", spec)  # foreign() reads no stream
+    lineage.start_version, lineage.start_entry = 5, "2000-0"  # resumed at v5; first handle 2000-0
+    lineage.window.seal(3, ["old:0"])  # the window vouches for ids trained above v3
+
+    def group(newest: int, entry: int) -> Group:
+        found = Group(f"g{newest}-{entry}")
+        member = trajectory(found.group_id, 0, version=newest)
+        found.trajectories[member.id] = member
+        found.deliveries.append(delivered(member, entry))
+        return found
+
+    assert not lineage.foreign(group(5, 1000), 7)  # the version it resumed from: the same weights
+    assert not lineage.foreign(group(6, 2001), 7)  # sampled by this epoch's v6
+    assert lineage.foreign(group(8, 2001), 7)  # ahead of the trainer: a lost epoch's v8
+    assert lineage.foreign(group(6, 1999), 7)  # v6 before this epoch began: the lost epoch's v6
+    assert lineage.foreign(group(2, 2001), 7)  # older than the window: maybe trained before it
 
 
 def test_a_resumed_schedule_carries_on_where_it_was() -> None:
