@@ -217,7 +217,7 @@ class TrainerConfig(Section):
     """Where checkpoints are written (a volume shared with the engines)."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     """How many recent durable checkpoints to keep (their manifests are the de-duplication window)."""
-    checkpoint_every_steps: int = Field(50, ge=1, le=10_000_000)
+    checkpoint_every_steps: int = Field(100, ge=1, le=10_000_000)
     """A durable checkpoint (weights, optimiser, schedule, what was consumed) every K steps, besides
     the last step, a stop and SIGTERM; every step publishes weights only. Trained trajectories
     stay unacked until a durable checkpoint covers them."""
