@@ -379,12 +379,22 @@ async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path:
             await stub.Stop(trainer_pb2.StopTrainerRequest(), timeout=10)
         assert idle.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         await submit(bus, "stopped", job_spec(model_dir, tmp_path, steps=5))
-        await checkpoint(bus, "stopped", 0)
+        v0 = Path((await checkpoint(bus, "stopped", 0)).uri.removeprefix("file://"))
+        groups = [
+            *make_group("stopped", "g0", (1.0, 0.0), 0, v0),
+            *make_group("stopped", "g1", (0.0, 1.0), 0, v0),
+        ]
+        await bus.publish_many(JobStreams("stopped").trajectories, groups)
+        await checkpoint(bus, "stopped", 1)  # weights only: the step's trajectories stay unacked
+        assert not (tmp_path / "stopped" / "v000001").exists()
         reply = await stub.Stop(trainer_pb2.StopTrainerRequest(reason="enough"), timeout=30)
-        assert reply.last_checkpoint.version == 0
+        # The stop wrote a durable checkpoint of v1 and acked what it covers.
+        assert (reply.last_checkpoint.version, reply.last_checkpoint.durable) == (1, True)
+        assert CheckpointStore(tmp_path, "stopped", 1).load(1).consumed == {t.id for t in groups}
         status = await final_status(bus, "stopped")
         assert (status.state, status.reason) == (common_pb2.JOB_STATE_CANCELLED, "enough")
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+    assert await bus.pending_count(JobStreams("stopped").trajectories, TRAJECTORY_GROUP) == 0
 
 
 async def test_a_killed_trainers_job_is_resumed_by_another(
