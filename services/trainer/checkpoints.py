@@ -106,6 +106,20 @@ def _link_or_copy(source: Path, target: Path) -> bool:
         return False
 
 
+OWN_FILES = frozenset({WEIGHTS_HANDLE_FILE, HANDLE_FILE, MANIFEST_FILE})
+"""Files of a checkpoint directory that describe it, never carried over to another."""
+
+
+def link_files(source: Path, staging: Path, final: Path, skip: frozenset[str]) -> set[Path]:
+    """Hard-link (or copy) the top-level files of ``source`` but ``skip`` into ``staging``;
+    returns the paths they will have under ``final`` that were linked, not written."""
+    linked = set()
+    for path in source.iterdir():
+        if path.is_file() and path.name not in skip and _link_or_copy(path, staging / path.name):
+            linked.add(final / path.name)
+    return linked
+
+
 class CheckpointStore:
     """Writes, finds and prunes one job's weights-only and durable checkpoints."""
 
@@ -141,16 +155,26 @@ class CheckpointStore:
             raise
 
     def publish_weights(
-        self, version: int, epoch: int, dtype: str, write_model: Callable[[Path], None]
+        self,
+        version: int,
+        epoch: int,
+        dtype: str,
+        write_model: Callable[[Path], None],
+        like: Path | None = None,
     ) -> PublishedWeights:
-        """Write weights-only ``version`` of lineage ``epoch``: ``write_model(dir)`` writes the HF files."""
+        """Write weights-only ``version`` of lineage ``epoch``: ``write_model(dir)`` writes the HF
+        files, or with ``like`` (an earlier checkpoint of the model) only model.safetensors, the
+        config and tokenizer files being linked from there."""
         final = self.weights_directory(version, epoch)
         handle = common_pb2.CheckpointHandle(
             job_id=self.job_id, version=version, uri=final.as_uri(), format="safetensors", step=version
         )
         handle.epoch, handle.dtype = epoch, dtype
+        linked: set[Path] = set()
 
         def fill(staging: Path) -> None:
+            if like is not None:
+                linked.update(link_files(like, staging, final, OWN_FILES | {WEIGHTS_FILE}))
             write_model(staging)
             weights = staging / WEIGHTS_FILE
             if not weights.is_file():
@@ -160,7 +184,7 @@ class CheckpointStore:
             (staging / WEIGHTS_HANDLE_FILE).write_text(json_format.MessageToJson(handle))
 
         self._stage(final, fill)
-        return PublishedWeights(handle, final, tree_bytes(final))
+        return PublishedWeights(handle, final, tree_bytes(final, frozenset(linked)))
 
     def save_durable(
         self,
@@ -178,10 +202,7 @@ class CheckpointStore:
         linked: set[Path] = set()
 
         def fill(staging: Path) -> None:
-            for source in weights.directory.iterdir():
-                copied = source.is_file() and source.name != WEIGHTS_HANDLE_FILE
-                if copied and _link_or_copy(source, staging / source.name):
-                    linked.add(final / source.name)
+            linked.update(link_files(weights.directory, staging, final, OWN_FILES))
             write_state(staging)
             manifest = {"since_version": since_version, "ids": sorted(set(consumed))}
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest))

@@ -243,7 +243,7 @@ class JobRun:
     async def _begin(self, resumed: SavedCheckpoint | None) -> None:
         """A new epoch: v0 of the base model published, or the resumed checkpoint's weights again."""
         self._enter(trainer_pb2.TRAINER_STATE_SAVING)
-        await self.lineage.begin(resumed, self._write_weights)
+        await self.lineage.begin(resumed, self._write_model)
         if resumed is not None:
             self.version = int(resumed.handle.version)
         self.progress.last_checkpoint = resumed.handle if resumed else self._published_handle()
@@ -254,9 +254,13 @@ class JobRun:
         published = self.lineage.published
         return published.handle if published is not None else None
 
-    def _write_weights(self, directory: Path) -> None:
+    def _write_model(self, directory: Path) -> None:
         assert self.policy is not None
         self.policy.save(directory)
+
+    def _write_weights(self, directory: Path) -> None:
+        assert self.policy is not None
+        self.policy.save_weights(directory)
 
     def _write_training_state(self, directory: Path) -> None:
         """The optimiser and schedule; the critic, if any, in its ``critic/`` subdirectory."""
@@ -388,14 +392,14 @@ class JobRun:
             optimised = time.monotonic()
             self.version += 1
             self._enter(trainer_pb2.TRAINER_STATE_SAVING)
-            published = await self.lineage.publish(self.version, self._write_weights)
+            published = await self.lineage.publish(self.version, self._write_model, self._write_weights)
             log.info("job %s: published checkpoint v%d (epoch %d, weights only)", *self._version_of())
             self.lineage.hold(self._in_training, [t for group in groups for t in group.trajectories])
             self._in_training = []
             self._report_version()
             published_at = time.monotonic()
             saved = await self._save_durable() if self.lineage.durable_due(self.version) else None
-            saved_at = time.monotonic()
+            saved_at = time.monotonic() if saved is not None else published_at
         await asyncio.to_thread(self.store.prune)
         written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
         times = StepTimes(optimised - started, published_at - optimised, saved_at - published_at, written)

@@ -70,7 +70,7 @@ class Lineage:
         earlier = max(newest.epoch if newest else 0, resumed.handle.epoch if resumed else 0)
         self.epoch = earlier + 1
         if resumed is None:
-            await self.publish(0, write_model)
+            await self.publish(0, write_model, write_model)
             self.start_entry = self._last_entry
             return
         self.durable = resumed
@@ -84,11 +84,16 @@ class Lineage:
         self.published = PublishedWeights(handle, resumed.directory, 0)
         self.start_entry = await self.bus.publish(self.streams.checkpoints, handle)
 
-    async def publish(self, version: int, write_model: Callable[[Path], None]) -> PublishedWeights:
-        """Write weights-only ``version`` and announce its handle to the engines."""
-        dtype = self.spec.model.dtype
+    async def publish(
+        self, version: int, write_model: Callable[[Path], None], write_weights: Callable[[Path], None]
+    ) -> PublishedWeights:
+        """Write weights-only ``version`` and announce its handle to the engines: the whole HF
+        directory at first, then ``write_weights``' model.safetensors beside the previous files."""
+        dtype, previous = self.spec.model.dtype, self.published
+        like = previous.directory if previous is not None else None
+        write = write_weights if like is not None else write_model
         published = await asyncio.to_thread(
-            self.store.publish_weights, version, self.epoch, dtype, write_model
+            self.store.publish_weights, version, self.epoch, dtype, write, like
         )
         self._last_entry = await self.bus.publish(self.streams.checkpoints, published.handle)
         self.published = published

@@ -385,8 +385,12 @@ async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path:
             *make_group("stopped", "g1", (0.0, 1.0), 0, v0),
         ]
         await bus.publish_many(JobStreams("stopped").trajectories, groups)
-        await checkpoint(bus, "stopped", 1)  # weights only: the step's trajectories stay unacked
+        v1 = await checkpoint(bus, "stopped", 1)  # weights only: the step's trajectories stay unacked
         assert not (tmp_path / "stopped" / "v000001").exists()
+        step = (await metrics_of(bus, "stopped"))[1]
+        assert step["checkpoint_seconds"] == 0 and 0 < step["publish_seconds"] < step["step_seconds"]
+        # The config and tokenizer files are linked from v0: the step wrote little but the weights.
+        assert v1.size_bytes <= step["bytes_written"] < 1.05 * v1.size_bytes
         reply = await stub.Stop(trainer_pb2.StopTrainerRequest(reason="enough"), timeout=30)
         # The stop wrote a durable checkpoint of v1 and acked what it covers.
         assert (reply.last_checkpoint.version, reply.last_checkpoint.durable) == (1, True)
