@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -62,3 +63,20 @@ class FakeContext:
 
     def time_remaining(self) -> float | None:
         return None
+
+
+def lineage_trained_ids(job_dir: Path) -> list[str]:
+    """Every trajectory id trained into the newest durable checkpoint of a job, from the
+    manifests of its chain of durable checkpoints (each names the previous one's version),
+    with repeats: an id trained twice into the surviving weights appears twice."""
+    from services.trainer.checkpoints import CheckpointStore
+
+    store = CheckpointStore(job_dir.parent, job_dir.name, keep=1)
+    saved = {checkpoint.handle.version: checkpoint for checkpoint in store.durable_checkpoints()}
+    ids: list[str] = []
+    version = max(saved, default=0)
+    while version > 0:
+        assert version in saved, f"durable checkpoint v{version} of the chain is gone"
+        ids.extend(saved[version].consumed)
+        version = saved[version].since_version
+    return ids

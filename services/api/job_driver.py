@@ -123,6 +123,8 @@ class JobDriver:
         self._batches = record.issued_batches
         self._extra = record.issued_extra
         self._last_progress = time.monotonic()
+        self._epoch = (0, 0)
+        """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
         self._evaluated: set[int] = set()
         self._served: int | None = None
         self._eval_queue: asyncio.Queue[int] = asyncio.Queue()
@@ -314,6 +316,11 @@ class JobDriver:
         handle = delivery.message
         if not self._first_handle.done():
             self._first_handle.set_result(handle)
+        if handle.epoch != self._epoch[0]:
+            self._epoch = (handle.epoch, handle.version)  # a resumed trainer: its versions start again
+        elif handle.version > self._epoch[1]:
+            self._epoch = (handle.epoch, handle.version)
+            self._last_progress = time.monotonic()  # a new version, also one reissued after a resume
         if handle.version > self.latest_version:
             self.latest_version = handle.version
             self._last_progress = time.monotonic()

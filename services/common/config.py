@@ -215,8 +215,14 @@ class TrainerConfig(Section):
     """Optimiser steps per pass over a rollout batch."""
     checkpoint_dir: str = "runs"
     """Where checkpoints are written (a volume shared with the engines)."""
-    keep_checkpoints: int = Field(3, ge=1)
-    """How many recent checkpoints to keep."""
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
+    """How many recent durable checkpoints to keep (their manifests are the de-duplication window)."""
+    checkpoint_every_steps: int = Field(100, ge=1, le=10_000_000)
+    """A durable checkpoint (weights, optimiser, schedule, what was consumed) every K steps, besides
+    the last step, a stop and SIGTERM; every step publishes weights only. Trained trajectories
+    stay unacked until a durable checkpoint covers them."""
+    checkpoint_every_seconds: float | None = Field(None, gt=0.0, le=604_800.0)
+    """Also a durable checkpoint at the first step this long after the previous one; null: by steps only."""
     deepspeed: dict[str, Any] | None = None
     """Raw DeepSpeed config merged over the one derived from this section."""
 

@@ -1,4 +1,10 @@
-"""The engine's background work: follow the newest running job's checkpoints, and heartbeat."""
+"""The engine's background work: follow the newest running job's checkpoints, and heartbeat.
+
+A checkpoint handle names its weights by (job, epoch, version, sha256): a trainer that resumes
+a job begins a new epoch and may reissue version numbers with other weights, so the watcher
+loads the newest handle whenever it names other weights than the ones served, whatever its
+version number, and the engine serves a version only with the weights of its handle.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +58,11 @@ class LoadReport:
     """From the handle's created_at until served (None when the handle has no time)."""
 
 
+def weights_key(handle: common_pb2.CheckpointHandle) -> tuple[str, int, int, str]:
+    """What names a handle's weights: the same key, the same weights (its sha256 verified)."""
+    return (handle.job_id, handle.epoch, handle.version, handle.sha256.lower())
+
+
 class WeightLoader:
     """Loads checkpoints into the engine one at a time (watcher and LoadWeights share it)."""
 
@@ -59,6 +70,8 @@ class WeightLoader:
         self.engine = engine
         self.timeout_s = timeout_s
         self._lock = asyncio.Lock()
+        self.served: common_pb2.CheckpointHandle | None = None
+        """The handle of the weights last loaded (None: the engine's own)."""
 
     async def load(
         self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
@@ -76,6 +89,7 @@ class WeightLoader:
                 mode=mode,
                 timeout_s=timeout_s or self.timeout_s,
             )
+            self.served = handle
             seconds = time.monotonic() - started
         latency = None
         if handle.HasField("created_at") and handle.created_at.seconds:
@@ -101,7 +115,7 @@ class WeightWatcher:
         self.jobs = JobStore(redis)
         self.loader = loader
         self.poll_s = poll_s
-        self._refused: set[tuple[str, int, str]] = set()
+        self._refused: set[tuple[str, int, int, str]] = set()
         self._modes: dict[str, int] = {}
         """Each job's WeightUpdateMode, from its JobSpec (rollout.weight_update)."""
         self._last_error = ""
@@ -129,10 +143,9 @@ class WeightWatcher:
             return False
         if not handle.job_id:
             handle.job_id = job_id
-        status = self.loader.engine.status()
-        if handle.job_id == status.job_id and handle.version <= status.policy_version:
+        if not self._names_other_weights(handle):
             return False
-        key = (handle.job_id, handle.version, handle.sha256)
+        key = weights_key(handle)
         if key in self._refused:
             return False
         try:
@@ -143,6 +156,19 @@ class WeightWatcher:
             return False
         await self._report(handle, report)
         return True
+
+    def _names_other_weights(self, handle: common_pb2.CheckpointHandle) -> bool:
+        """Whether ``handle`` names weights other than those served."""
+        served = self.loader.served
+        if served is not None and (served.job_id, served.epoch) == (handle.job_id, handle.epoch):
+            # One lineage: a newer version, or (never from an honest trainer) other bytes.
+            if handle.version != served.version:
+                return handle.version > served.version
+            return weights_key(served) != weights_key(handle)
+        if served is not None:
+            return True  # another job, or another lineage of it: its version numbers say nothing
+        status = self.loader.engine.status()  # the engine's own weights, loaded at its start
+        return handle.job_id != status.job_id or handle.version > status.policy_version
 
     async def _update_mode(self, job_id: str) -> int:
         """The job's rollout.weight_update as a WeightUpdateMode (UNSPECIFIED: the engine's own)."""

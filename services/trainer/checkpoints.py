@@ -1,15 +1,25 @@
-"""A job's checkpoint directories: ``{checkpoint_dir}/{job_id}/v{version:06d}/``.
+"""A job's saved weights under ``{checkpoint_dir}/{job_id}/``: weights for the engines every
+step, durable checkpoints to resume from every few steps.
 
-Each is an HF-loadable directory (model.safetensors, config, tokenizer files)
-plus ``trained_ids.json`` (every trajectory id trained into these weights),
-``checkpoint.json`` (its CheckpointHandle, whose ``step`` is the version) and,
-from v1 on, ``training_state/``: DeepSpeed's checkpoint of the optimiser (moments
-and step counts, one partition file per rank under ZeRO) and of the learning-rate
-schedule, with ``training_state.json`` saying which world size and ZeRO stage
-wrote it. A directory is written under a temporary name and renamed into place,
-so one that exists is complete; that is what a trainer resuming a reclaimed job
-relies on. With several trainer ranks every rank writes into the same staging
-directory (the checkpoint directory must be shared by them), rank 0 renames it.
+``weights/v{version:06d}-e{epoch}/`` (weights-only, every step): the policy in the rollout
+dtype as an HF-loadable directory (one model.safetensors, config, tokenizer files) and
+``handle.json``, its CheckpointHandle. Engines load these; the newest ``KEEP_WEIGHTS`` are
+kept, so an engine still loading the previous one finds it.
+
+``v{version:06d}/`` (durable, every ``trainer.checkpoint_every_steps``, at the end, on a stop
+and on SIGTERM): the same HF files (hard links to that version's weights-only copy where the
+filesystem allows), ``training_state/`` (DeepSpeed's checkpoint of the optimiser and schedule,
+one partition file per rank under ZeRO, with ``training_state.json`` saying which world size
+and ZeRO stage wrote it), ``critic/`` when the job has one, ``consumed.json`` (the trajectory
+ids trained since the previous durable checkpoint, whose version is ``since_version``: bytes
+proportional to the interval, never to the run) and ``checkpoint.json`` (its handle, durable).
+The newest ``keep_checkpoints`` are kept; their manifests are the trainer's de-duplication
+window (collector.TrainedWindow).
+
+Every directory is written under a temporary name and renamed into place, so one that exists
+is complete; that is what a trainer resuming a reclaimed job relies on. With several trainer
+ranks every rank writes into the same staging directory (the checkpoint directory must be
+shared by them), rank 0 renames it.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,26 +41,47 @@ from services.common.pb import common_pb2
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
-TRAINED_IDS_FILE = "trained_ids.json"
+WEIGHTS_DIR = "weights"
+"""Inside the job directory: the weights-only directories."""
+WEIGHTS_HANDLE_FILE = "handle.json"
 HANDLE_FILE = "checkpoint.json"
+MANIFEST_FILE = "consumed.json"
+"""Inside a durable checkpoint: ``{"since_version": int, "ids": [...]}``."""
 TRAINING_STATE_DIR = "training_state"
 """DeepSpeed's save_checkpoint directory inside a checkpoint."""
 TRAINING_STATE_TAG = "state"
 """The DeepSpeed checkpoint tag (its sub-directory) inside TRAINING_STATE_DIR."""
 TRAINING_STATE_FILE = "training_state.json"
 """Inside TRAINING_STATE_DIR: the world size and ZeRO stage that wrote it."""
+KEEP_WEIGHTS = 3
+"""Weights-only directories kept: the newest, and two an engine may still be loading."""
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_WEIGHTS_DIR = re.compile(r"^v(\d{6,})-e(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedWeights:
+    handle: common_pb2.CheckpointHandle
+    directory: Path
+    bytes_written: int
 
 
 @dataclass(frozen=True, slots=True)
 class SavedCheckpoint:
+    """A durable checkpoint."""
+
     handle: common_pb2.CheckpointHandle
     directory: Path
-    trained_ids: frozenset[str]
+    consumed: frozenset[str]
+    """The trajectory ids trained since the previous durable checkpoint."""
+    since_version: int
+    """The version of the previous durable checkpoint (0: the base model)."""
+    bytes_written: int = 0
+    """Bytes this save wrote (hard-linked weights excluded); 0 for one loaded from disk."""
 
     @property
     def training_state(self) -> Path | None:
-        """The optimiser and schedule state saved with the weights; None in v0."""
+        """The optimiser and schedule state saved with the weights (absent: fresh moments)."""
         state = self.directory / TRAINING_STATE_DIR
         return state if (state / TRAINING_STATE_FILE).is_file() else None
 
@@ -60,91 +91,180 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+def tree_bytes(directory: Path, skip: frozenset[Path] = frozenset()) -> int:
+    """The size of the files under ``directory``, less those in ``skip``."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and p not in skip)
+
+
+def _link_or_copy(source: Path, target: Path) -> bool:
+    """Hard-link ``source`` as ``target`` (True), or copy it where links are refused (False)."""
+    try:
+        os.link(source, target)
+        return True
+    except OSError:
+        shutil.copy2(source, target)
+        return False
+
+
+OWN_FILES = frozenset({WEIGHTS_HANDLE_FILE, HANDLE_FILE, MANIFEST_FILE})
+"""Files of a checkpoint directory that describe it, never carried over to another."""
+
+
+def link_files(source: Path, staging: Path, final: Path, skip: frozenset[str]) -> set[Path]:
+    """Hard-link (or copy) the top-level files of ``source`` but ``skip`` into ``staging``;
+    returns the paths they will have under ``final`` that were linked, not written."""
+    linked = set()
+    for path in source.iterdir():
+        if path.is_file() and path.name not in skip and _link_or_copy(path, staging / path.name):
+            linked.add(final / path.name)
+    return linked
+
+
 class CheckpointStore:
-    """Writes, finds and prunes one job's checkpoints."""
+    """Writes, finds and prunes one job's weights-only and durable checkpoints."""
 
     def __init__(self, root: Path, job_id: str, keep: int) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.job_id = job_id
         self.job_dir = (root / job_id).resolve()
+        self.weights_root = self.job_dir / WEIGHTS_DIR
         self.keep = keep
 
     def directory(self, version: int) -> Path:
+        """The durable checkpoint of ``version``."""
         return self.job_dir / f"v{version:06d}"
 
-    def save(
-        self,
-        version: int,
-        step: int,
-        write_model: Callable[[Path], None],
-        trained_ids: Iterable[str],
-    ) -> SavedCheckpoint:
-        """Write checkpoint ``version``: ``write_model(dir)`` writes the HF files."""
-        final = self.directory(version)
+    def weights_directory(self, version: int, epoch: int) -> Path:
+        return self.weights_root / f"v{version:06d}-e{epoch}"
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _stage(self, final: Path, fill: Callable[[Path], None]) -> None:
+        """Write ``final`` through ``fill(staging)`` and rename it into place."""
         if final.exists():
             raise FileExistsError(f"checkpoint {final} already exists")
-        staging = self.job_dir / f".{final.name}.tmp-{os.getpid()}"
+        staging = final.parent / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         try:
-            write_model(staging)
-            weights = staging / WEIGHTS_FILE
-            if not weights.is_file():
-                raise FileNotFoundError(f"the model was saved without a single {WEIGHTS_FILE}")
-            ids = sorted(set(trained_ids))
-            (staging / TRAINED_IDS_FILE).write_text(json.dumps(ids))
-            handle = common_pb2.CheckpointHandle(
-                job_id=self.job_id,
-                version=version,
-                uri=final.as_uri(),
-                format="safetensors",
-                sha256=file_sha256(weights),
-                step=step,
-                size_bytes=weights.stat().st_size,
-            )
-            handle.created_at.GetCurrentTime()
-            (staging / HANDLE_FILE).write_text(json_format.MessageToJson(handle))
+            fill(staging)
             os.rename(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return SavedCheckpoint(handle, final, frozenset(ids))
+
+    def publish_weights(
+        self,
+        version: int,
+        epoch: int,
+        dtype: str,
+        write_model: Callable[[Path], None],
+        like: Path | None = None,
+    ) -> PublishedWeights:
+        """Write weights-only ``version`` of lineage ``epoch``: ``write_model(dir)`` writes the HF
+        files, or with ``like`` (an earlier checkpoint of the model) only model.safetensors, the
+        config and tokenizer files being linked from there."""
+        final = self.weights_directory(version, epoch)
+        handle = common_pb2.CheckpointHandle(
+            job_id=self.job_id, version=version, uri=final.as_uri(), format="safetensors", step=version
+        )
+        handle.epoch, handle.dtype = epoch, dtype
+        linked: set[Path] = set()
+
+        def fill(staging: Path) -> None:
+            if like is not None:
+                linked.update(link_files(like, staging, final, OWN_FILES | {WEIGHTS_FILE}))
+            write_model(staging)
+            weights = staging / WEIGHTS_FILE
+            if not weights.is_file():
+                raise FileNotFoundError(f"the model was saved without a single {WEIGHTS_FILE}")
+            handle.sha256, handle.size_bytes = file_sha256(weights), weights.stat().st_size
+            handle.created_at.GetCurrentTime()
+            (staging / WEIGHTS_HANDLE_FILE).write_text(json_format.MessageToJson(handle))
+
+        self._stage(final, fill)
+        return PublishedWeights(handle, final, tree_bytes(final, frozenset(linked)))
+
+    def save_durable(
+        self,
+        weights: PublishedWeights,
+        write_state: Callable[[Path], None],
+        consumed: Sequence[str],
+        since_version: int,
+    ) -> SavedCheckpoint:
+        """Durable checkpoint of ``weights``' version: its HF files (linked), ``write_state(dir)``'s
+        training state, and the manifest of ``consumed`` ids (trained since ``since_version``)."""
+        final = self.directory(weights.handle.version)
+        handle = common_pb2.CheckpointHandle()
+        handle.CopyFrom(weights.handle)
+        handle.uri, handle.durable = final.as_uri(), True
+        linked: set[Path] = set()
+
+        def fill(staging: Path) -> None:
+            linked.update(link_files(weights.directory, staging, final, OWN_FILES))
+            write_state(staging)
+            manifest = {"since_version": since_version, "ids": sorted(set(consumed))}
+            (staging / MANIFEST_FILE).write_text(json.dumps(manifest))
+            handle.created_at.GetCurrentTime()
+            (staging / HANDLE_FILE).write_text(json_format.MessageToJson(handle))
+
+        self._stage(final, fill)
+        ids = frozenset(consumed)
+        return SavedCheckpoint(handle, final, ids, since_version, tree_bytes(final, frozenset(linked)))
+
+    # -- reading -------------------------------------------------------------------------
 
     def versions(self) -> list[int]:
-        """Versions of the complete checkpoints, ascending."""
+        """Versions of the complete durable checkpoints, ascending."""
         if not self.job_dir.is_dir():
             return []
         found = (_VERSION_DIR.match(entry.name) for entry in self.job_dir.iterdir() if entry.is_dir())
         return sorted(int(match.group(1)) for match in found if match)
 
+    def weights(self) -> list[tuple[int, int]]:
+        """(epoch, version) of the complete weights-only directories, oldest lineage first."""
+        if not self.weights_root.is_dir():
+            return []
+        found = (_WEIGHTS_DIR.match(entry.name) for entry in self.weights_root.iterdir())
+        return sorted((int(match.group(2)), int(match.group(1))) for match in found if match)
+
     def load(self, version: int) -> SavedCheckpoint:
-        """A checkpoint written earlier (by this or another trainer)."""
+        """A durable checkpoint written earlier (by this or another trainer)."""
         directory = self.directory(version)
         handle = json_format.Parse((directory / HANDLE_FILE).read_text(), common_pb2.CheckpointHandle())
-        ids = json.loads((directory / TRAINED_IDS_FILE).read_text())
-        return SavedCheckpoint(handle, directory, frozenset(ids))
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        return SavedCheckpoint(handle, directory, frozenset(manifest["ids"]), int(manifest["since_version"]))
+
+    def durable_checkpoints(self) -> list[SavedCheckpoint]:
+        """The readable durable checkpoints, oldest first (an unreadable one is skipped)."""
+        found = []
+        for version in self.versions():
+            try:
+                found.append(self.load(version))
+            except (OSError, ValueError, KeyError, json_format.ParseError) as err:
+                log.warning("checkpoint %s is unreadable (%s); skipping it", version, err)
+        return found
 
     def latest(self) -> SavedCheckpoint | None:
-        """The newest readable checkpoint, or None when the job has none."""
-        for version in reversed(self.versions()):
-            try:
-                return self.load(version)
-            except (OSError, ValueError, json_format.ParseError) as err:
-                log.warning("checkpoint %s is unreadable (%s); trying an older one", version, err)
-        return None
+        """The newest readable durable checkpoint, or None when the job has none."""
+        found = self.durable_checkpoints()
+        return found[-1] if found else None
 
-    def prune(self) -> list[int]:
-        """Delete all but the newest ``keep`` checkpoints and v0; returns the deleted versions."""
-        versions = self.versions()
-        kept = set(versions[-self.keep :]) | {0}
-        deleted = [version for version in versions if version not in kept]
-        for version in deleted:
-            shutil.rmtree(self.directory(version), ignore_errors=True)
-        return deleted
+    # -- pruning -------------------------------------------------------------------------
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest ``keep`` durable checkpoints and the newest ``KEEP_WEIGHTS``
+        weights-only directories (by lineage, then version); returns what was deleted."""
+        durable = [self.directory(v) for v in self.versions()[: -self.keep]]
+        weights = [self.weights_directory(v, e) for e, v in self.weights()[:-KEEP_WEIGHTS]]
+        for directory in durable + weights:
+            shutil.rmtree(directory, ignore_errors=True)
+        return durable + weights
 
     def remove_partial(self) -> None:
         """Delete staging directories left by a trainer that died while saving."""
-        if self.job_dir.is_dir():
-            for entry in self.job_dir.glob(".v*.tmp-*"):
-                shutil.rmtree(entry, ignore_errors=True)
+        for parent in (self.job_dir, self.weights_root):
+            if parent.is_dir():
+                for entry in parent.glob(".v*.tmp-*"):
+                    shutil.rmtree(entry, ignore_errors=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from services.common.bus import Delivery
@@ -46,6 +48,12 @@ class Group:
         versions = [min(t.policy_versions) for t in self.trajectories.values() if t.policy_versions]
         return min(versions) if versions else None
 
+    @property
+    def newest_version(self) -> int | None:
+        """The highest policy version of any token of the group; None without tokens."""
+        versions = [max(t.policy_versions) for t in self.trajectories.values() if t.policy_versions]
+        return max(versions) if versions else None
+
     def ordered(self) -> list[Trajectory]:
         """The members by sample index (then id), so advantages line up deterministically."""
         return sorted(self.trajectories.values(), key=lambda t: (t.sample_index, t.id))
@@ -57,6 +65,9 @@ class Unusable:
 
     stale: list[Group] = field(default_factory=list)
     invalid: list[Group] = field(default_factory=list)
+    foreign: list[Group] = field(default_factory=list)
+    """Sampled by weights that are not this trainer's lineage, or older than its de-duplication
+    window (see ``discard_unusable``); reported like stale ones."""
 
 
 def trajectory_problem(trajectory: Trajectory, job_id: str, group_size: int) -> str | None:
@@ -90,11 +101,11 @@ def trajectory_problem(trajectory: Trajectory, job_id: str, group_size: int) -> 
 class GroupCollector:
     """Buffers trajectories by group until groups are complete."""
 
-    def __init__(self, job_id: str, group_size: int, trained_ids: set[str]) -> None:
+    def __init__(self, job_id: str, group_size: int, trained_ids: Container[str]) -> None:
         self.job_id = job_id
         self.group_size = group_size
         self.trained_ids = trained_ids
-        """Ids trained so far; shared with the caller, which adds each step's ids."""
+        """Ids trained recently (a TrainedWindow); shared with the caller, which adds each step's ids."""
         self._open: dict[str, Group] = {}
         self._complete: dict[str, Group] = {}
         self._finished: set[str] = set()
@@ -125,8 +136,8 @@ class GroupCollector:
             self._complete[group.group_id] = self._open.pop(group.group_id)
         return Outcome.BUFFERED, ""
 
-    def discard_unusable(self, min_version: int) -> Unusable:
-        """Remove complete groups that are invalid or older than ``min_version``."""
+    def discard_unusable(self, min_version: int, foreign: Callable[[Group], bool] | None = None) -> Unusable:
+        """Remove complete groups that are invalid, older than ``min_version``, or ``foreign``."""
         unusable = Unusable()
         for group in list(self._complete.values()):
             oldest = group.oldest_version
@@ -134,6 +145,8 @@ class GroupCollector:
                 unusable.invalid.append(group)
             elif oldest is not None and oldest < min_version:
                 unusable.stale.append(group)
+            elif foreign is not None and foreign(group):
+                unusable.foreign.append(group)
             else:
                 continue
             self._finish(group)
@@ -158,3 +171,47 @@ class GroupCollector:
     def _finish(self, group: Group) -> None:
         del self._complete[group.group_id]
         self._finished.add(group.group_id)
+
+
+class TrainedWindow:
+    """The trajectory ids a trainer skips as trained already: those trained since the last
+    durable checkpoint, and the manifests of the ``depth`` durable checkpoints before (at most
+    ``depth + 1`` checkpoint intervals of ids, however long the run).
+
+    Why that is enough: trained trajectories are acked right after the durable checkpoint that
+    covers them, before the next one is begun, so the only trained ids the stream can still
+    deliver (unacked) are the newest manifest's, when a trainer died between its write and the
+    acks; its successor resumes from that checkpoint and skips them. Ids trained after it are
+    not in the surviving weights and are trained again, once. What remains is a producer that
+    publishes an id again (a runner's retry); one within the window is skipped, and a copy of
+    one trained before the window's ``floor`` version has all its tokens older than the floor:
+    the trainer drops such groups whatever the stale policy (job.py), so ``downweight`` cannot
+    train it twice either.
+    """
+
+    def __init__(self, depth: int, floor: int = 0) -> None:
+        self._sealed: deque[tuple[int, frozenset[str]]] = deque(maxlen=depth)
+        self._open: set[str] = set()
+        self._floor = floor
+
+    def __contains__(self, trajectory_id: object) -> bool:
+        return trajectory_id in self._open or any(trajectory_id in ids for _, ids in self._sealed)
+
+    @property
+    def floor(self) -> int:
+        """Every id trained into a version above this one is in the window."""
+        return self._sealed[0][0] if self._sealed else self._floor
+
+    def add(self, trajectory_ids: Iterable[str]) -> None:
+        self._open.update(trajectory_ids)
+
+    def since_durable(self) -> list[str]:
+        """The ids trained since the last durable checkpoint: its successor's manifest."""
+        return sorted(self._open)
+
+    def seal(self, since_version: int, ids: Iterable[str] | None = None) -> None:
+        """A durable checkpoint covered ``ids`` (default: those since the last one), trained
+        after version ``since_version``; the oldest manifest leaves the window when it is full."""
+        self._sealed.append((since_version, frozenset(self._open if ids is None else ids)))
+        if ids is None:
+            self._open = set()

@@ -28,6 +28,9 @@ class TrainerSettings(ServiceSettings):
     """A job held this long by a trainer that stopped sending keep-alives is taken over by another."""
     trajectory_reclaim_idle_ms: int = Field(60_000, ge=1000, le=86_400_000)
     """Trajectories pending this long on a silent consumer (a dead trainer) are taken over."""
+    max_deliveries: int = Field(5, ge=1, le=1000)
+    """Deliveries of a job or trajectory without an ack before it is dead-lettered as a poison
+    message; every trainer that dies redelivers what it held (a job, unacked trajectories)."""
     keepalive_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How often the trainer renews its claim on its job and on buffered trajectories."""
     distributed_timeout_s: float = Field(600.0, ge=10.0, le=86_400.0)

@@ -1,12 +1,13 @@
 """One job, from its claim to its last step: the trainer's loop, top-down.
 
 load (or resume) -> publish v0 -> for each step: collect groups -> advantages ->
-optimise -> checkpoint -> publish the handle -> ack the trajectories -> metrics.
+optimise -> publish the weights -> every few steps a durable checkpoint, then
+ack the trajectories it covers -> metrics.
 
-Trajectories are acked only after the checkpoint that trained them is written
-and announced, so a trainer that dies mid-step loses nothing: its successor
-resumes from the newest checkpoint (whose ``trained_ids.json`` says what not
-to train again) and reclaims the unacked entries.
+Trajectories are acked only after a durable checkpoint covers them, so a trainer
+killed at any moment loses nothing: its successor resumes from the newest durable
+checkpoint as a new epoch (lineage.py), skips what that checkpoint's manifest
+consumed, and reclaims the unacked entries.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,16 +31,18 @@ from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
 from services.trainer.advantages import ADVANTAGE_ESTIMATORS
-from services.trainer.checkpoints import CheckpointStore, SavedCheckpoint
+from services.trainer.checkpoints import SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
 from services.trainer.config import TrainerSettings
 from services.trainer.critic import CRITIC_DIR, Critic
+from services.trainer.lineage import Lineage
 from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import StepStats
 from services.trainer.policy import Policy, deepspeed_config, init_distributed
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
+from services.trainer.report import DropCounts, Progress, StepTimes, step_metric_values, tool_use_rate
 
 log = logging.getLogger(__name__)
 
@@ -96,43 +97,6 @@ class JobControl:
             raise self._stop
 
 
-@dataclass(slots=True)
-class Progress:
-    """What the Trainer service's GetStatus reports; updated by the running job."""
-
-    trainer_id: str
-    job_id: str = ""
-    state: int = trainer_pb2.TRAINER_STATE_IDLE
-    policy_version: int = 0
-    step: int = 0
-    consumed_trajectories: int = 0
-    last_checkpoint: common_pb2.CheckpointHandle | None = None
-    last_metrics: dict[str, float] = field(default_factory=dict)
-
-    def to_proto(self) -> trainer_pb2.TrainerStatus:
-        status = trainer_pb2.TrainerStatus(
-            trainer_id=self.trainer_id,
-            job_id=self.job_id,
-            state=self.state,
-            policy_version=self.policy_version,
-            step=self.step,
-            consumed_trajectories=self.consumed_trajectories,
-            last_metrics=self.last_metrics,
-        )
-        if self.last_checkpoint is not None:
-            status.last_checkpoint.CopyFrom(self.last_checkpoint)
-        return status
-
-
-@dataclass(slots=True)
-class DropCounts:
-    """What one step skipped, reported in its Metric. (Dropped groups are reported at once.)"""
-
-    zero_variance: int = 0
-    stale_groups: int = 0
-    duplicates: int = 0
-
-
 def check_supported(spec: JobSpec) -> None:
     """Fail fast, with the field's name, on a JobSpec this trainer cannot honour."""
     algorithm = spec.algorithm
@@ -142,13 +106,6 @@ def check_supported(spec: JobSpec) -> None:
     STALE_POLICIES.get(algorithm.stale_policy)
     sample_token_weights([1], algorithm.loss_aggregation, spec.rollout.max_new_tokens)
     deepspeed_config(spec.trainer, spec.model.dtype)
-
-
-def tool_use_rate(groups: Iterable[Group]) -> float:
-    """Share of the groups' trajectories whose episode ran at least one tool call (the runner
-    counts them in ``metadata["tool_calls"]``)."""
-    counts = [t.metadata.get("tool_calls", "0") for g in groups for t in g.trajectories.values()]
-    return sum(1 for c in counts if c.isdigit() and int(c) > 0) / len(counts) if counts else 0.0
 
 
 def unique_deliveries(groups: Iterable[Group]) -> list[Delivery[Trajectory]]:
@@ -188,9 +145,10 @@ class JobRun:
         self.progress = progress
         self.device = device
         self.streams = JobStreams(job_id)
-        self.store = CheckpointStore(Path(spec.trainer.checkpoint_dir), job_id, spec.trainer.keep_checkpoints)
-        self.trained_ids: set[str] = set()
-        self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.trained_ids)
+        self.lineage = Lineage(bus, job_id, spec)
+        self.store = self.lineage.store
+        self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.lineage.window)
+        self.trajectories: StreamConsumer[Trajectory] | None = None
         self.version = 0
         self.policy: Policy | None = None
         self.reference: ReferenceModel | None = None
@@ -209,8 +167,8 @@ class JobRun:
                 self._enter(trainer_pb2.TRAINER_STATE_LOADING)
                 resumed = await asyncio.to_thread(self._load)
                 self.control.check()
-                await self._publish_first_checkpoint(resumed)
-            consumer = StreamConsumer(
+                await self._begin(resumed)
+            self.trajectories = consumer = StreamConsumer(
                 self.bus,
                 self.streams.trajectories,
                 TRAJECTORY_GROUP,
@@ -224,6 +182,11 @@ class JobRun:
                 groups = await self._collect(consumer)
                 await self._train_step(consumer, groups)
                 self.control.check()
+        except JobStopped as stop:
+            if stop.kind is not StopKind.LOST:  # the job is still ours: keep what was trained
+                async with self.model_lock:
+                    await self._save_durable()
+            raise
         finally:
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -277,48 +240,55 @@ class JobRun:
             self.critic = Critic.load(self.spec, critic_dir, self.policy.device)
         return resumed
 
-    async def _publish_first_checkpoint(self, resumed: SavedCheckpoint | None) -> None:
-        if resumed is None:
-            await self._checkpoint()
-            return
-        self.version = int(resumed.handle.version)
-        self.trained_ids.update(resumed.trained_ids)
-        self._report_version()
-        self.progress.last_checkpoint = resumed.handle
-        newest = await self.bus.latest(self.streams.checkpoints, common_pb2.CheckpointHandle)
-        if newest is None or newest.version < self.version:
-            await self.bus.publish(self.streams.checkpoints, resumed.handle)
-
-    async def _checkpoint(self) -> SavedCheckpoint:
-        """Save the current weights as checkpoint ``self.version`` and announce it."""
-        assert self.policy is not None
+    async def _begin(self, resumed: SavedCheckpoint | None) -> None:
+        """A new epoch: v0 of the base model published, or the resumed checkpoint's weights again."""
         self._enter(trainer_pb2.TRAINER_STATE_SAVING)
-        saved = await asyncio.to_thread(
-            self.store.save, self.version, self.version, self._write_models, set(self.trained_ids)
-        )
-        await self.bus.publish(self.streams.checkpoints, saved.handle)
-        self.progress.last_checkpoint = saved.handle
+        await self.lineage.begin(resumed, self._write_model)
+        if resumed is not None:
+            self.version = int(resumed.handle.version)
+        self.progress.last_checkpoint = resumed.handle if resumed else self._published_handle()
         self._report_version()
-        log.info("job %s: published checkpoint v%d (%s)", self.job_id, self.version, saved.directory)
-        return saved
+        log.info("job %s: epoch %d begins at v%d", self.job_id, self.lineage.epoch, self.version)
 
-    def _write_models(self, directory: Path) -> None:
-        """The policy as an HF directory; the critic, if any, in its ``critic/`` subdirectory."""
+    def _published_handle(self) -> common_pb2.CheckpointHandle | None:
+        published = self.lineage.published
+        return published.handle if published is not None else None
+
+    def _write_model(self, directory: Path) -> None:
         assert self.policy is not None
-        self.policy.save(directory, training_state=self.version > 0)  # v0's optimiser is fresh anyway
+        self.policy.save(directory)
+
+    def _write_weights(self, directory: Path) -> None:
+        assert self.policy is not None
+        self.policy.save_weights(directory)
+
+    def _write_training_state(self, directory: Path) -> None:
+        """The optimiser and schedule; the critic, if any, in its ``critic/`` subdirectory."""
+        assert self.policy is not None
+        self.policy.save_training_state(directory)
         if self.critic is not None:
             self.critic.save(directory / CRITIC_DIR)
 
-    async def latest_checkpoint(self) -> common_pb2.CheckpointHandle:
-        """The checkpoint of the current weights, once any step in progress has finished.
+    async def _save_durable(self) -> SavedCheckpoint | None:
+        """A durable checkpoint of the current weights, then the acks it allows (hold the model lock)."""
+        self._enter(trainer_pb2.TRAINER_STATE_SAVING)
+        saved = await self.lineage.save_durable(self._write_training_state, self.trajectories)
+        if saved is not None:
+            self.progress.last_checkpoint = saved.handle
+        return saved
 
-        Every version is checkpointed as soon as its step ends, so this waits and returns it.
-        """
+    async def latest_checkpoint(self) -> common_pb2.CheckpointHandle:
+        """A durable checkpoint of the current weights, once any step in progress has finished
+        (written now unless the newest one holds them; at v0, the base model's handle)."""
         async with self.model_lock:
-            handle = self.progress.last_checkpoint
-            if handle is None or handle.version != self.version:
+            published = self.lineage.published
+            if published is None or published.handle.version != self.version:
                 raise CheckpointUnavailable(f"job {self.job_id} has no checkpoint of its current weights")
-            return handle
+            await self._save_durable()
+            durable = self.lineage.durable
+            if durable is not None and durable.handle.version == self.version:
+                return durable.handle
+            return published.handle
 
     def _enter(self, state: int) -> None:
         """Report the phase the job is in (a requested stop keeps reporting STOPPING)."""
@@ -343,7 +313,8 @@ class JobRun:
         ready: list[Group] = []
         while True:
             self.control.check()
-            await self._drop(consumer, self.collector.discard_unusable(self._min_version()))
+            unusable = self.collector.discard_unusable(self._min_version(), self._foreign)
+            await self._drop(consumer, unusable)
             if self.collector.complete:
                 taken = self.collector.take(wanted - len(ready))
                 flat = [group for group in taken if self._zero_variance(group)]
@@ -362,6 +333,12 @@ class JobRun:
                     self.drops.duplicates += 1
                 elif outcome is Outcome.REJECTED:
                     await consumer.dead_letter(delivery, reason)
+
+    def _version_of(self) -> tuple[str, int, int]:
+        return self.job_id, self.version, self.lineage.epoch
+
+    def _foreign(self, group: Group) -> bool:
+        return self.lineage.foreign(group, self.version)
 
     def _min_version(self) -> int:
         """The oldest token version a group may have (a stale policy that ``drops``; no bound otherwise)."""
@@ -383,35 +360,50 @@ class JobRun:
                 "job %s: dropped stale group %s (v%s)", self.job_id, group.group_id, group.oldest_version
             )
             await consumer.ack(group.deliveries)
+        for group in unusable.foreign:
+            log.info(
+                "job %s: dropped group %s (v%s..v%s): not sampled by epoch %d's weights at v%d, "
+                "or older than its de-duplication window",
+                *(self.job_id, group.group_id, group.oldest_version, group.newest_version),
+                *(self.lineage.epoch, self.version),
+            )
+            await consumer.ack(group.deliveries)
         for group in unusable.invalid:
             reason = f"group {group.group_id!r} cannot be trained: " + "; ".join(group.problems)
             log.warning("job %s: %s", self.job_id, reason)
             for delivery in unique_deliveries([group]):
                 await consumer.dead_letter(delivery, reason)
-        self.drops.stale_groups += len(unusable.stale)
-        if unusable.stale or unusable.invalid:
+        stale = len(unusable.stale) + len(unusable.foreign)
+        self.drops.stale_groups += stale
+        if stale or unusable.invalid:
             # Reported at once, not with the next step: the controller replaces dropped
             # groups, and until it does this step may never fill.
-            dropped = common_pb2.GroupsDropped(stale=len(unusable.stale), invalid=len(unusable.invalid))
+            dropped = common_pb2.GroupsDropped(stale=stale, invalid=len(unusable.invalid))
             await self._report_drops(dropped)
 
     async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
-        """Optimise on the groups, checkpoint, announce, then ack them and report the step."""
-        collected_at = time.monotonic()
+        """Optimise on the groups, publish the weights, every few steps a durable checkpoint
+        (which acks what it covers), then report the step."""
         self._in_training = unique_deliveries(groups)
         async with self.model_lock:
             self._enter(trainer_pb2.TRAINER_STATE_TRAINING)
+            started = time.monotonic()
             prepared, stats = await asyncio.to_thread(self._optimise, groups)
-            optimised_at = time.monotonic()
-            self.trained_ids.update(t for group in groups for t in group.trajectories)
+            optimised = time.monotonic()
             self.version += 1
-            await self._checkpoint()
-        saved_at = time.monotonic()
-        await consumer.ack(self._in_training)
-        self._in_training = []
+            self._enter(trainer_pb2.TRAINER_STATE_SAVING)
+            published = await self.lineage.publish(self.version, self._write_model, self._write_weights)
+            log.info("job %s: published checkpoint v%d (epoch %d, weights only)", *self._version_of())
+            self.lineage.hold(self._in_training, [t for group in groups for t in group.trajectories])
+            self._in_training = []
+            self._report_version()
+            published_at = time.monotonic()
+            saved = await self._save_durable() if self.lineage.durable_due(self.version) else None
+            saved_at = time.monotonic() if saved is not None else published_at
         await asyncio.to_thread(self.store.prune)
-        timings = (optimised_at - collected_at, saved_at - optimised_at)
-        await self._publish_metrics(stats, prepared, timings, groups)
+        written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
+        times = StepTimes(optimised - started, published_at - optimised, saved_at - published_at, written)
+        await self._publish_metrics(stats, prepared, times, groups)
 
     def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
         """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
@@ -427,23 +419,9 @@ class JobRun:
         return len({t.reward for t in group.trajectories.values()}) == 1
 
     async def _publish_metrics(
-        self, stats: StepStats, prepared: Prepared, timings: tuple[float, float], groups: list[Group]
+        self, stats: StepStats, prepared: Prepared, times: StepTimes, groups: list[Group]
     ) -> None:
-        optimise_s, checkpoint_s = timings
-        samples = prepared.samples
-        values = {
-            **stats.metrics(),
-            **prepared.metrics(),
-            "reward_mean": statistics.fmean(prepared.rewards),
-            "reward_std": statistics.pstdev(prepared.rewards),
-            "response_tokens": float(sum(len(s.response_token_ids) for s in samples)),
-            "zero_variance_filtered": float(self.drops.zero_variance),
-            "stale_groups_dropped": float(self.drops.stale_groups),
-            "duplicates_skipped": float(self.drops.duplicates),
-            "step_seconds": optimise_s + checkpoint_s,
-            "checkpoint_seconds": checkpoint_s,
-            "tokens_per_s": stats.tokens / optimise_s if optimise_s > 0 else 0.0,
-        }
+        values = step_metric_values(stats, prepared, times, self.drops)
         if self.spec.rollout.max_turns > 1:
             values["tool_use_rate"] = tool_use_rate(groups)
         self.drops = DropCounts()
@@ -493,5 +471,9 @@ class JobRun:
         if owner != self.consumer:
             raise JobStopped(StopKind.LOST, f"the job's claim is now held by {owner or 'nobody'}")
         await self.bus.touch(JOBS, JOB_GROUP, self.consumer, [entry])
-        held = self.collector.buffered_entry_ids() + [d.entry_id for d in self._in_training]
+        held = (
+            self.collector.buffered_entry_ids()
+            + [d.entry_id for d in self._in_training]
+            + self.lineage.held_entry_ids()
+        )
         await self.bus.touch(self.streams.trajectories, TRAJECTORY_GROUP, self.consumer, held)

@@ -48,8 +48,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def Stop(
         self, request: trainer_pb2.StopTrainerRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.StopTrainerResponse:
-        # save_checkpoint needs no work: the job stops at a step boundary, and every step
-        # ends with a checkpoint of its weights.
+        # save_checkpoint needs no work: the job stops at a step boundary and writes a
+        # durable checkpoint of its weights before it ends.
         try:
             handle = await self.worker.stop_job(request.reason)
         except NoJobError as err:
@@ -79,7 +79,7 @@ def trainer_device(settings: TrainerSettings) -> torch.device:
 async def serve_trainer(settings: TrainerSettings, device: torch.device | None = None) -> None:
     """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
     device = device or trainer_device(settings)
-    bus = Bus.from_url(require_redis_url(settings))
+    bus = Bus.from_url(require_redis_url(settings), max_deliveries=settings.max_deliveries)
     worker = TrainerWorker(bus, settings, device)
     try:
         await serve(settings, registrar(worker), background=worker.run)

@@ -19,7 +19,8 @@ from services.common.jobs import JobStore, decode_submission
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, JobStreams
 from services.trainer.config import TrainerSettings
-from services.trainer.job import JOB_GROUP, JobControl, JobRun, JobStopped, Progress, StopKind
+from services.trainer.job import JOB_GROUP, JobControl, JobRun, JobStopped, StopKind
+from services.trainer.report import Progress
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class TrainerWorker:
 
     async def stop_job(self, reason: str) -> common_pb2.CheckpointHandle | None:
         """Stop the running job after its step in progress; it ends CANCELLED. Returns its
-        last checkpoint, which holds its final weights (every step ends with one)."""
+        last durable checkpoint, which holds its final weights (a stop writes one)."""
         run = self._running()
         done = self._job_done
         self.progress.state = trainer_pb2.TRAINER_STATE_STOPPING

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections import Counter
@@ -30,7 +29,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 def short_job(checkpoint_dir: Path) -> dict[str, Any]:
     spec = yaml.safe_load((ROOT / "examples" / "addition.yaml").read_text())
     spec["name"] = "e2e-grpo"
-    spec["trainer"] |= {"steps": 8, "checkpoint_dir": str(checkpoint_dir), "keep_checkpoints": 100}
+    spec["trainer"] |= {
+        "steps": 8,
+        "checkpoint_dir": str(checkpoint_dir),
+        "keep_checkpoints": 100,
+        "checkpoint_every_steps": 4,
+    }
     spec["eval"] |= {"every_steps": 4, "num_prompts": 100}
     return spec
 
@@ -56,9 +60,9 @@ def published_trajectories(redis_url: str, job_id: str) -> list[common_pb2.Traje
 
 
 def trained_ids(checkpoint_dir: Path, job_id: str) -> list[list[str]]:
-    """Per checkpoint, oldest first: every trajectory id trained up to that version."""
-    paths = sorted((checkpoint_dir / job_id).glob("v*/trained_ids.json"))
-    return [json.loads(path.read_text()) for path in paths]
+    """Per durable checkpoint, oldest first: the trajectory ids its manifest says it trained."""
+    paths = sorted((checkpoint_dir / job_id).glob("v*/consumed.json"))
+    return [json.loads(path.read_text())["ids"] for path in paths]
 
 
 def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
@@ -83,14 +87,13 @@ def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
     versions = Counter(v for t in trajectories for v in t.policy_versions)
     assert len(versions) > 1, versions
 
-    # Nothing was trained twice: each step added a full batch of new ids to the record, and
-    # everything trained was really published.
-    per_version = trained_ids(checkpoints, job_id)
-    assert len(per_version) == 9  # v0 .. v8
+    # Nothing was trained twice: each durable checkpoint (v4, v8) records four full batches of
+    # ids, none in both, and everything trained was really published.
+    per_checkpoint = trained_ids(checkpoints, job_id)
     batch = 16 * 8  # prompts_per_step x group_size
-    for before, after in itertools.pairwise(per_version):
-        assert set(before) < set(after) and len(after) == len(set(after)) == len(before) + batch
-    assert set(per_version[-1]) <= {t.id for t in trajectories}
+    assert [len(ids) for ids in per_checkpoint] == [4 * batch, 4 * batch]
+    every = [i for ids in per_checkpoint for i in ids]
+    assert len(every) == len(set(every)) and set(every) <= {t.id for t in trajectories}
 
     # Learning, not just motion: held-out greedy accuracy rose by at least 0.2.
     steps, accuracy = series(history, "eval", "accuracy")

@@ -81,6 +81,7 @@ def main() -> None:
         saved.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     policy.save(saved)
+    policy.save_training_state(saved)
     if distributed.rank() == 0:
         result = {
             "world": distributed.size(),

@@ -84,9 +84,10 @@ async def start_job(redis: aioredis.Redis, job_id: str, *, state: str = "JOB_STA
 
 
 async def publish_checkpoint(
-    bus: Bus, job_id: str, path: Path, version: int, *, sha256: str | None = None
+    bus: Bus, job_id: str, path: Path, version: int, *, sha256: str | None = None, epoch: int = 0
 ) -> common_pb2.CheckpointHandle:
     handle = handle_for(job_id, path, version, sha256=sha256)
+    handle.epoch = epoch
     await bus.publish(JobStreams(job_id).checkpoints, handle)
     return handle
 

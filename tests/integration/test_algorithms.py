@@ -5,7 +5,6 @@ zero-variance filter) trains through Redis, reports its metrics and checkpoints 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -21,13 +20,13 @@ from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
 from services.tasks.addition_model import build_char_tokenizer
-from services.trainer.checkpoints import TRAINED_IDS_FILE
 from services.trainer.critic import CRITIC_DIR, HEAD_FILE, Critic
 from services.trainer.job import TRAJECTORY_GROUP
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.prepare import base_samples, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import k3
+from tests.helpers import lineage_trained_ids
 from tests.integration.rollout_helpers import tiny_llama
 from tests.integration.test_trainer import (
     CPU,
@@ -218,9 +217,7 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
     }  # fmt: skip
     async with trainer(bus):
         await submit(bus, job_id, spec)
-        v0 = runs / job_id / "v000000"
-        await checkpoint(bus, job_id, 0)
-        assert (v0 / CRITIC_DIR / HEAD_FILE).is_file()
+        v0 = Path((await checkpoint(bus, job_id, 0)).uri.removeprefix("file://"))
         # Step 1: a group without reward variance is filtered, reported at once, and the step
         # waits for a second group with a signal (the controller's replacement).
         await bus.publish_many(
@@ -234,11 +231,12 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
             streams.trajectories,
             make_group(job_id, "gs", (1.0, 0.0), 0, v0) + make_group(job_id, "g2", (0.0, 1.0), 1, v1),
         )
-        v2 = Path((await checkpoint(bus, job_id, 2)).uri.removeprefix("file://"))
+        await checkpoint(bus, job_id, 2)
         assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
+    assert (runs / job_id / "v000002" / CRITIC_DIR / HEAD_FILE).is_file()  # the durable checkpoint
     assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
-    trained = set(json.loads((v2 / TRAINED_IDS_FILE).read_text()))
-    assert trained == {f"{g}:{i}" for g in ("g0", "g1", "gs", "g2") for i in range(2)}
+    trained = lineage_trained_ids(runs / job_id)
+    assert sorted(trained) == sorted(f"{g}:{i}" for g in ("g0", "g1", "gs", "g2") for i in range(2))
 
     metrics = await metrics_of(bus, job_id)
     [dropped] = await trainer_signals(bus, job_id)  # reported before step 1, for replacement
@@ -259,8 +257,10 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
     assert metrics[2]["stale_downweighted"] == 2 and metrics[2]["staleness_max"] == 1
     assert (metrics[2]["staleness_lag_0"], metrics[2]["staleness_lag_1"]) == (2, 2)
 
-    # The critic was trained and checkpointed: v2's head is not v0's, and it loads back.
+    # The critic was trained and checkpointed: v2's head is not the initial one, and it loads back.
+    v2 = runs / job_id / "v000002"
     saved = load_file(str(v2 / CRITIC_DIR / HEAD_FILE))
-    assert not torch.equal(saved["weight"], load_file(str(v0 / CRITIC_DIR / HEAD_FILE))["weight"])
+    initial = Critic.load(parse_job_spec(spec), model_dir, CPU).head.weight.detach()  # the seeded head
+    assert not torch.equal(saved["weight"], initial)
     critic = Critic.load(parse_job_spec(spec), v2 / CRITIC_DIR, CPU)
     assert torch.equal(critic.head.weight.detach(), saved["weight"])

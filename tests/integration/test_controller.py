@@ -96,8 +96,10 @@ class Trainer:
         self.bus, self.store, self.job_id, self.directory = bus, store, job_id, directory
         self.streams = JobStreams(job_id)
 
-    async def publish_version(self, version: int) -> None:
-        await self.bus.publish(self.streams.checkpoints, checkpoint(self.job_id, version, self.directory))
+    async def publish_version(self, version: int, epoch: int = 0) -> None:
+        handle = checkpoint(self.job_id, version, self.directory)
+        handle.epoch = epoch
+        await self.bus.publish(self.streams.checkpoints, handle)
 
     async def report(self, state: int, version: int, reason: str = "") -> None:
         status = common_pb2.JobStatus(job_id=self.job_id, state=state, policy_version=version, reason=reason)
@@ -263,6 +265,31 @@ async def test_a_stalled_trainer_fails_the_job(
     await trainer.wait_for_state(FAILED, timeout_s=5.0)
     reason = (await trainer.store.get(trainer.job_id)).reason
     assert "no new policy version" in reason and "after version 0" in reason
+
+
+async def test_reissued_versions_of_a_resumed_trainer_are_progress_and_resumes_alone_are_not(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start(stall_timeout_s=1.5)
+    for version in (0, 1, 2):
+        await trainer.publish_version(version, epoch=1)
+    await trainer.wait_for_state(RUNNING)
+    # Resumed from v1 as epoch 2: v1 again, then v2 again (other weights) is a new version.
+    for version in (1, 2):
+        await asyncio.sleep(0.7)
+        await trainer.publish_version(version, epoch=2)
+    await asyncio.sleep(0.9)  # 2.3s after the last new number, 0.9s after epoch 2's v2
+    assert await trainer.state() == RUNNING
+    # A trainer that dies right after each resume begins epochs without new versions: a stall.
+    for epoch in (3, 4, 5):
+        await trainer.publish_version(1, epoch=epoch)
+        await asyncio.sleep(0.4)
+    await trainer.wait_for_state(FAILED, timeout_s=5.0)
+    assert "no new policy version" in (await trainer.store.get(trainer.job_id)).reason
 
 
 async def test_a_job_without_a_trainer_times_out_in_the_queue(

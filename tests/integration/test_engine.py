@@ -192,6 +192,33 @@ async def test_new_checkpoint_is_served_with_its_version(
     assert 0 <= metrics[1].values["weight_sync_latency_s"] < 10 and metrics[1].values["weight_load_s"] > 0
 
 
+async def test_a_resumed_trainers_reissued_version_is_loaded(
+    engine: RunningEngine, bus: Bus, tmp_path: Path
+) -> None:
+    """A resumed trainer begins a new epoch at a lower version with other weights: the watcher
+    loads it, and tokens carry that version with those weights; within an epoch, an older
+    version is not loaded again."""
+    await publish_checkpoint(bus, JOB, save_checkpoint(tiny_llama(1), tmp_path / "v2-e1"), 2, epoch=1)
+    await engine.wait_for_version(2)
+    resumed = tiny_llama(3)
+    await publish_checkpoint(bus, JOB, save_checkpoint(resumed, tmp_path / "v1-e2"), 1, epoch=2)
+
+    async def serves_v1() -> bool:
+        return await engine.version() == 1
+
+    await eventually(serves_v1, what="the engine to serve epoch 2's v1")
+    completion = (await generate(engine, PROMPTS[0], temperature=1.0, seed=5, max_new_tokens=10)).completions[
+        0
+    ]
+    assert set(completion.policy_versions) == {1}
+    expected = reference_logprobs(resumed, PROMPTS[0], list(completion.token_ids))
+    assert list(completion.logprobs) == pytest.approx(expected, abs=1e-4)
+    older = save_checkpoint(tiny_llama(4), tmp_path / "v0-e2")
+    await publish_checkpoint(bus, JOB, older, 0, epoch=2)  # never from a trainer: the rule holds
+    await asyncio.sleep(0.3)
+    assert await engine.version() == 1
+
+
 async def test_sha256_mismatch_is_refused(engine: RunningEngine, bus: Bus, tmp_path: Path) -> None:
     path = save_checkpoint(tiny_llama(2), tmp_path / "v000002")
     bad = handle_for(JOB, path, 2, sha256="0" * 64)

@@ -28,13 +28,13 @@ from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.streams import JOBS, JobStreams
 from services.tasks.addition_model import build_char_tokenizer
 from services.trainer.batching import TrainSample
-from services.trainer.checkpoints import TRAINED_IDS_FILE
+from services.trainer.checkpoints import CheckpointStore
 from services.trainer.config import TrainerSettings
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.server import registrar
 from services.trainer.worker import TrainerWorker
-from tests.helpers import eventually, serve, stream_messages
+from tests.helpers import eventually, lineage_trained_ids, serve, stream_messages
 from tests.integration.rollout_helpers import tiny_llama
 
 FAST_SETTINGS: dict[str, Any] = {
@@ -278,7 +278,7 @@ async def trainer_signals(bus: Bus, job_id: str) -> list[common_pb2.TrainerSigna
 async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
     job_id, runs = "tiny-0001", tmp_path / "runs"
     streams = JobStreams(job_id)
-    spec = job_spec(model_dir, runs)
+    spec = job_spec(model_dir, runs, checkpoint_every_steps=1, keep_checkpoints=2)
     async with trainer(bus) as (_, stub):
         await submit(bus, job_id, spec)
         v0 = assert_hf_checkpoint(await checkpoint(bus, job_id, 0), job_id, 0)
@@ -294,7 +294,8 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
         assert (status.job_id, status.policy_version, status.last_checkpoint.version) == (job_id, 1, 1)
         saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id=job_id), timeout=10)
-        assert saved.handle.version == 1
+        assert (saved.handle.version, saved.handle.durable) == (1, True)
+        assert saved.handle.uri == (runs / job_id / "v000001").resolve().as_uri()
         with pytest.raises(grpc.aio.AioRpcError) as wrong:
             await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id="other"), timeout=10)
         assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -311,8 +312,8 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         assert idle.state == trainer_pb2.TRAINER_STATE_IDLE
 
         trained = {f"g{g}:{i}" for g in range(4) for i in range(2)}
-        assert set(json.loads((runs / job_id / "v000002" / TRAINED_IDS_FILE).read_text())) == trained
-        assert sorted(p.name for p in (runs / job_id).iterdir()) == ["v000000", "v000002"]  # keep 1 + v0
+        assert sorted(lineage_trained_ids(runs / job_id)) == sorted(trained)
+        assert sorted(p.name for p in (runs / job_id).iterdir()) == ["v000001", "v000002", "weights"]
         metrics = await metrics_of(bus, job_id)
         assert sorted(metrics) == [1, 2]
         assert metrics[1]["clip_fraction"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-6
@@ -332,20 +333,22 @@ async def resume_for_one_more_step(
     bus: Bus, job_id: str, runs: Path, model_dir: Path, trained: set[str], resent: common_pb2.Trajectory
 ) -> None:
     streams = JobStreams(job_id)
-    await submit(bus, job_id, job_spec(model_dir, runs, steps=3))
+    await submit(
+        bus, job_id, job_spec(model_dir, runs, steps=3, checkpoint_every_steps=1, keep_checkpoints=2)
+    )
     v2 = runs / job_id / "v000002"
     extra = make_group(job_id, "g4", (0.0, 1.0), 2, v2) + make_group(job_id, "g5", (1.0, 0.0), 2, v2)
     await bus.publish_many(streams.trajectories, [resent, *extra])
     assert_hf_checkpoint(await checkpoint(bus, job_id, 3), job_id, 3)
-    ids = set(json.loads((runs / job_id / "v000003" / TRAINED_IDS_FILE).read_text()))
-    assert ids == trained | {"g4:0", "g4:1", "g5:0", "g5:1"}
+    assert CheckpointStore(runs, job_id, 1).load(3).consumed == {"g4:0", "g4:1", "g5:0", "g5:1"}
     status = await final_status(bus, job_id, nth=2)
     assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, 3)
     assert (await metrics_of(bus, job_id))[3]["duplicates_skipped"] == 1
-    versions = [
-        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
-    ]
-    assert versions == [0, 1, 2, 3]  # the resume did not publish anything again
+    handles = await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    # The resume republished v2 as the first handle of a new epoch (its uri: the durable v2).
+    assert [(h.epoch, h.version) for h in handles] == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3)]
+    assert handles[3].sha256 == handles[2].sha256 and handles[3].uri == v2.resolve().as_uri()
+    assert not any(h.durable for h in handles)
 
 
 async def test_bad_jobs_fail_with_the_reason_and_the_trainer_carries_on(
@@ -376,12 +379,26 @@ async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path:
             await stub.Stop(trainer_pb2.StopTrainerRequest(), timeout=10)
         assert idle.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         await submit(bus, "stopped", job_spec(model_dir, tmp_path, steps=5))
-        await checkpoint(bus, "stopped", 0)
+        v0 = Path((await checkpoint(bus, "stopped", 0)).uri.removeprefix("file://"))
+        groups = [
+            *make_group("stopped", "g0", (1.0, 0.0), 0, v0),
+            *make_group("stopped", "g1", (0.0, 1.0), 0, v0),
+        ]
+        await bus.publish_many(JobStreams("stopped").trajectories, groups)
+        v1 = await checkpoint(bus, "stopped", 1)  # weights only: the step's trajectories stay unacked
+        assert not (tmp_path / "stopped" / "v000001").exists()
+        step = (await metrics_of(bus, "stopped"))[1]
+        assert step["checkpoint_seconds"] == 0 and 0 < step["publish_seconds"] < step["step_seconds"]
+        # The config and tokenizer files are linked from v0: the step wrote little but the weights.
+        assert v1.size_bytes <= step["bytes_written"] < 1.05 * v1.size_bytes
         reply = await stub.Stop(trainer_pb2.StopTrainerRequest(reason="enough"), timeout=30)
-        assert reply.last_checkpoint.version == 0
+        # The stop wrote a durable checkpoint of v1 and acked what it covers.
+        assert (reply.last_checkpoint.version, reply.last_checkpoint.durable) == (1, True)
+        assert CheckpointStore(tmp_path, "stopped", 1).load(1).consumed == {t.id for t in groups}
         status = await final_status(bus, "stopped")
         assert (status.state, status.reason) == (common_pb2.JOB_STATE_CANCELLED, "enough")
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+    assert await bus.pending_count(JobStreams("stopped").trajectories, TRAJECTORY_GROUP) == 0
 
 
 async def test_a_killed_trainers_job_is_resumed_by_another(
@@ -416,17 +433,25 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
         victim.kill()
         output, _ = victim.communicate(timeout=30)
     assert "published checkpoint v1" in output, output
+    assert not (runs / job_id / "v000001").exists()  # weights only: g0 and g1 stay unacked
 
     async with trainer(bus, job_reclaim_idle_ms=1000, trajectory_reclaim_idle_ms=1000):
-        await bus.publish_many(streams.trajectories, make_group(job_id, "g3", (0.0, 1.0), 1, v1))
-        await checkpoint(bus, job_id, 2)
+        # No durable checkpoint survived the kill: the job begins again from the base model as
+        # epoch 2, and g2, sampled by the lost epoch's v1, is dropped; g0 and g1 are trained again.
+        async def epoch_2_v1() -> common_pb2.CheckpointHandle | None:
+            handle = await bus.latest(streams.checkpoints, common_pb2.CheckpointHandle)
+            return handle if handle is not None and (handle.epoch, handle.version) == (2, 1) else None
+
+        handle = await eventually(epoch_2_v1, "epoch 2's v1", timeout_s=DEADLINE_S)
+        v1 = Path(handle.uri.removeprefix("file://"))
+        fresh = make_group(job_id, "g3", (0.0, 1.0), 1, v1) + make_group(job_id, "g4", (1.0, 0.0), 1, v1)
+        await bus.publish_many(streams.trajectories, fresh)
         assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
-    ids = set(json.loads((runs / job_id / "v000002" / TRAINED_IDS_FILE).read_text()))
-    assert ids == {f"g{g}:{i}" for g in range(4) for i in range(2)}
-    versions = [
-        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
-    ]
-    assert versions == [0, 1, 2]
+    trained = sorted(f"g{g}:{i}" for g in (0, 1, 3, 4) for i in range(2))
+    assert sorted(lineage_trained_ids(runs / job_id)) == trained
+    assert [s.groups_dropped.stale for s in await trainer_signals(bus, job_id)] == [1]
+    handles = await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    assert [(h.epoch, h.version) for h in handles] == [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
     assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
 

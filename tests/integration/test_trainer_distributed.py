@@ -28,7 +28,7 @@ from services.trainer.batching import plan_micro_batches
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from services.trainer.policy import Policy, deepspeed_config, init_distributed, learning_rate_schedule
-from tests.helpers import stream_messages
+from tests.helpers import lineage_trained_ids, stream_messages
 from tests.integration.distributed_policy import fixed_batch
 from tests.integration.rollout_helpers import tiny_llama
 from tests.integration.test_trainer_resume import (
@@ -205,6 +205,7 @@ def test_each_zero_stage_trains_and_resumes_its_optimiser_exactly(
     try:
         first.optimise(samples, seed=0)
         first.save(tmp_path)
+        first.save_training_state(tmp_path)
         state = tmp_path / TRAINING_STATE_DIR
         assert json.loads((state / TRAINING_STATE_FILE).read_text()) == {"world_size": 1, "zero_stage": stage}
         assert adam_state(first)[0] == 1
@@ -235,6 +236,7 @@ def test_a_state_of_another_layout_is_not_loaded(
     try:
         policy.optimise(fixed_batch(), seed=0)
         policy.save(tmp_path)
+        policy.save_training_state(tmp_path)
     finally:
         policy.close()
     state = tmp_path / TRAINING_STATE_DIR
@@ -312,13 +314,13 @@ async def test_the_trainer_service_runs_as_two_ranks_of_zero_3(
     env = python_env | trainer_env(redis_url)
     proc = subprocess.Popen(torchrun(python, 2, "-m", "services.trainer"), **pipes(env))
     try:
-        await submit(bus, job_id, model_dir, runs, steps=2, zero_stage=3)
+        await submit(bus, job_id, model_dir, runs, steps=2, zero_stage=3, checkpoint_every_steps=1)
         for version in (0, 1):
             await wait_for_checkpoint(bus, job_id, version)
             await bus.publish_many(streams.trajectories, steps_groups(job_id, version))
         assert (await wait_for_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
         # The same job with one more step: both ranks resume v2, their optimiser partitions too.
-        await submit(bus, job_id, model_dir, runs, steps=3, zero_stage=3)
+        await submit(bus, job_id, model_dir, runs, steps=3, zero_stage=3, checkpoint_every_steps=1)
         await bus.publish_many(streams.trajectories, steps_groups(job_id, 2))
         assert (await wait_for_status(bus, job_id, nth=2)).state == common_pb2.JOB_STATE_SUCCEEDED
     finally:
@@ -333,15 +335,16 @@ async def test_the_trainer_service_runs_as_two_ranks_of_zero_3(
     assert "rank 0 says exit" in output, output  # the follower left when rank 0 did
     assert output.count("restored the optimiser and schedule") == 2, output  # once per rank
     v3 = runs / job_id / "v000003"
-    assert checkpoint_ids(v3) == {f"s{v}{g}:{i}" for v in range(3) for g in "ab" for i in (0, 1)}
+    trained = lineage_trained_ids(runs / job_id)
+    published = {f"s{v}{g}:{i}" for v in range(3) for g in "ab" for i in (0, 1)}
+    assert len(trained) == 12 and set(trained) == published
+    assert checkpoint_ids(v3) == {f"s2{g}:{i}" for g in "ab" for i in (0, 1)}
     AutoModelForCausalLM.from_pretrained(v3)  # ZeRO-3's shards were gathered into one model
     partitions = sorted(p.name for p in (v3 / TRAINING_STATE_DIR).rglob("zero_pp_rank_*optim_states.pt"))
     assert partitions == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
     assert [optimizer_steps(runs / job_id / f"v{v:06d}") for v in (1, 2, 3)] == [1, 2, 3]
-    versions = [
-        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
-    ]
-    assert versions == [0, 1, 2, 3]
+    handles = await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    assert [(h.epoch, h.version) for h in handles] == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3)]
     assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
 

@@ -1,11 +1,10 @@
 """Exactly-once training across a crash: a real trainer process is SIGKILLed while it trains
-step k+1 (after publishing checkpoint k), a new one takes the job over and finishes it. The
-versions continue, every acked trajectory is trained into exactly one version, and the
+step k+1 (after durable checkpoint k), a new one takes the job over as a new epoch and finishes
+it. The versions continue, every acked trajectory is trained into exactly one version, and the
 optimiser state comes back from the checkpoint instead of starting afresh."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import signal
 import subprocess
@@ -21,9 +20,9 @@ from services.common.pb import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.streams import JOBS, JobStreams
 from services.tasks.addition_model import build_char_tokenizer
-from services.trainer.checkpoints import TRAINED_IDS_FILE, TRAINING_STATE_DIR
+from services.trainer.checkpoints import MANIFEST_FILE, TRAINING_STATE_DIR
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
-from tests.helpers import eventually, stream_messages
+from tests.helpers import eventually, lineage_trained_ids, stream_messages
 from tests.integration.rollout_helpers import tiny_llama
 
 DEADLINE_S = 45.0
@@ -112,7 +111,8 @@ async def wait_for_status(bus: Bus, job_id: str, nth: int = 1) -> common_pb2.Job
 
 
 def checkpoint_ids(directory: Path) -> set[str]:
-    return set(json.loads((directory / TRAINED_IDS_FILE).read_text()))
+    """The ids a durable checkpoint's manifest says were trained since the previous one."""
+    return set(json.loads((directory / MANIFEST_FILE).read_text())["ids"])
 
 
 def optimizer_steps(directory: Path) -> int:
@@ -172,7 +172,9 @@ async def test_a_trainer_killed_mid_step_resumes_exactly_once(
     epochs = 12  # optimiser steps per version: long enough a step to be caught in the act
     victim = start_trainer(python, env)
     try:
-        await submit(bus, job_id, model_dir, runs, steps=3, ppo_epochs=epochs, warmup_steps=5)
+        await submit(
+            bus, job_id, model_dir, runs, steps=3, ppo_epochs=epochs, warmup_steps=5, checkpoint_every_steps=1
+        )
         await wait_for_checkpoint(bus, job_id, 0)
         await bus.publish_many(streams.trajectories, group(job_id, "a", 0) + group(job_id, "b", 0))
         await wait_for_checkpoint(bus, job_id, 1)
@@ -197,16 +199,15 @@ async def test_a_trainer_killed_mid_step_resumes_exactly_once(
     assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, 3), output
     assert "resuming from its checkpoint v1" in output and "restored the optimiser" in output, output
 
-    versions = [
-        h.version for h in await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
-    ]
-    assert versions == [0, 1, 2, 3]  # continued from v1; v1 was not published again
-    trained = [checkpoint_ids(runs / job_id / f"v{v:06d}") for v in range(4)]
-    assert trained[0] == set() and trained[1] == {"a:0", "a:1", "b:0", "b:1"}
-    for before, after in itertools.pairwise(trained):
-        assert before < after and len(after - before) == 4  # each step trained 4 new trajectories
+    handles = await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
+    # Continued from v1, republished as the first handle of epoch 2.
+    assert [(h.epoch, h.version) for h in handles] == [(1, 0), (1, 1), (2, 1), (2, 2), (2, 3)]
+    trained = [checkpoint_ids(runs / job_id / f"v{v:06d}") for v in (1, 2, 3)]
+    assert trained[0] == {"a:0", "a:1", "b:0", "b:1"}
+    assert all(len(ids) == 4 for ids in trained)  # each step trained 4 trajectories
     published = {f"{g}:{i}" for g in "abcdef" for i in (0, 1)}
-    assert trained[3] == published  # so 12 trainings of 12 distinct ids: none twice, none lost
+    chain = lineage_trained_ids(runs / job_id)
+    assert len(chain) == 12 and set(chain) == published  # 12 distinct ids: none twice, none lost
     assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0  # all acked
     assert await bus.pending_count(JOBS, JOB_GROUP) == 0
     # The optimiser carried on: a fresh one after the crash would count `epochs` steps in v2.

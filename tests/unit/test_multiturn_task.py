@@ -21,7 +21,7 @@ from services.tasks.multiply import (
     multiply_train_problems,
 )
 from services.trainer.collector import Group
-from services.trainer.job import tool_use_rate
+from services.trainer.report import tool_use_rate
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multiturn.yaml"
 

@@ -8,18 +8,19 @@ import dataclasses
 import hashlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.common.bus import Delivery
+from services.common.bus import Bus, Delivery
 from services.common.config import AlgorithmConfig, JobSpec, JobSpecError, TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2
 from services.trainer.batching import TrainSample, collate, token_logprobs
 from services.trainer.checkpoints import CheckpointStore
-from services.trainer.collector import GroupCollector, Outcome
+from services.trainer.collector import Group, GroupCollector, Outcome, TrainedWindow
+from services.trainer.lineage import Lineage
 from services.trainer.losses import POLICY_LOSSES
 from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
 from services.trainer.policy import learning_rate_schedule
@@ -89,23 +90,80 @@ def test_checkpoint_store_writes_atomically_and_prunes(tmp_path: Path) -> None:
     def write(directory: Path) -> None:
         save_file({"w": torch.arange(4.0)}, str(directory / "model.safetensors"))
 
-    for version in range(5):
-        saved = store.save(version, version, write, {f"t{version}"})
-        assert saved.directory == tmp_path.resolve() / "job" / f"v{version:06d}"
+    def write_state(directory: Path) -> None:
+        (directory / "training_state").mkdir()
+        (directory / "training_state" / "optim.pt").write_bytes(b"x" * 100)
+
+    since = 0
+    for version in range(1, 6):
+        published = store.publish_weights(version, 2, "float32", write)
+        assert published.directory == tmp_path.resolve() / "job" / "weights" / f"v{version:06d}-e2"
+        assert (published.handle.epoch, published.handle.durable, published.handle.dtype) == (
+            2,
+            False,
+            "float32",
+        )
+        assert published.bytes_written == sum(p.stat().st_size for p in published.directory.iterdir())
+        if version % 2 == 0:
+            saved = store.save_durable(published, write_state, [f"t{version}"], since)
+            assert saved.directory == tmp_path.resolve() / "job" / f"v{version:06d}"
+            assert saved.bytes_written < published.bytes_written + 100 + 1000  # weights hard-linked
+            assert (saved.handle.durable, saved.handle.sha256) == (True, published.handle.sha256)
+            since = version
     with pytest.raises(FileExistsError):
-        store.save(4, 4, write, [])
-    (store.job_dir / ".v000005.tmp-1").mkdir()
-    assert store.prune() == [1, 2]
-    assert store.versions() == [0, 3, 4]
+        store.publish_weights(5, 2, "float32", write)
+    store.publish_weights(3, 3, "float32", write)  # a resumed lineage reissues v3
+    (store.job_dir / ".v000006.tmp-1").mkdir()
+    deleted = store.prune()
+    assert store.weights() == [(2, 4), (2, 5), (3, 3)]  # the newest lineage's sorts last
+    assert store.versions() == [2, 4] and len(deleted) == 3
     latest = store.latest()
-    assert latest is not None and latest.handle.version == 4 and latest.trained_ids == {"t4"}
+    assert latest is not None and latest.handle.version == 4 and latest.consumed == {"t4"}
+    assert latest.since_version == 2 and latest.training_state is None
     digest = hashlib.sha256((latest.directory / "model.safetensors").read_bytes()).hexdigest()
     assert latest.handle.sha256 == digest
     store.remove_partial()
     assert not any(p.name.startswith(".") for p in store.job_dir.iterdir())
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
-        store.save(9, 9, lambda directory: None, [])
-    assert store.versions() == [0, 3, 4]
+        store.publish_weights(9, 3, "float32", lambda directory: None)
+    assert store.weights() == [(2, 4), (2, 5), (3, 3)]
+
+
+def test_the_trained_window_keeps_the_last_manifests_and_its_floor() -> None:
+    window = TrainedWindow(depth=2)
+    assert window.floor == 0 and "a" not in window
+    window.add(["a", "b"])
+    assert "a" in window and window.since_durable() == ["a", "b"]
+    window.seal(0)
+    window.add(["c"])
+    window.seal(4)
+    window.add(["d"])
+    assert all(i in window for i in "abcd") and window.floor == 0 and window.since_durable() == ["d"]
+    window.seal(8)  # the first manifest leaves the window
+    assert "a" not in window and "c" in window and "d" in window and window.floor == 4
+    resumed = TrainedWindow(depth=2)
+    resumed.seal(4, ["c"])
+    assert "c" in resumed and resumed.floor == 4 and resumed.since_durable() == []
+
+
+def test_a_lineage_drops_groups_its_weights_cannot_have_sampled(tmp_path: Path) -> None:
+    spec = parse_job_spec({"trainer": {"checkpoint_dir": str(tmp_path)}})
+    lineage = Lineage(cast(Bus, None), "job", spec)  # foreign() reads no stream
+    lineage.start_version, lineage.start_entry = 5, "2000-0"  # resumed at v5; first handle 2000-0
+    lineage.window.seal(3, ["old:0"])  # the window vouches for ids trained above v3
+
+    def group(newest: int, entry: int) -> Group:
+        found = Group(f"g{newest}-{entry}")
+        member = trajectory(found.group_id, 0, version=newest)
+        found.trajectories[member.id] = member
+        found.deliveries.append(delivered(member, entry))
+        return found
+
+    assert not lineage.foreign(group(5, 1000), 7)  # the version it resumed from: the same weights
+    assert not lineage.foreign(group(6, 2001), 7)  # sampled by this epoch's v6
+    assert lineage.foreign(group(8, 2001), 7)  # ahead of the trainer: a lost epoch's v8
+    assert lineage.foreign(group(6, 1999), 7)  # v6 before this epoch began: the lost epoch's v6
+    assert lineage.foreign(group(2, 2001), 7)  # older than the window: maybe trained before it
 
 
 def test_a_resumed_schedule_carries_on_where_it_was() -> None:

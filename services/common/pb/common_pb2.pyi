@@ -191,7 +191,7 @@ class Trajectory(_message.Message):
     def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_turns: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., engine_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class CheckpointHandle(_message.Message):
-    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes")
+    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,9 @@ class CheckpointHandle(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
     uri: str
@@ -208,7 +211,10 @@ class CheckpointHandle(_message.Message):
     step: int
     created_at: _timestamp_pb2.Timestamp
     size_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    durable: bool
+    epoch: int
+    dtype: str
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., durable: _Optional[bool] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

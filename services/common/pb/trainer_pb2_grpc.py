@@ -62,7 +62,8 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A durable checkpoint of the current weights (written now unless the newest one holds them).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
