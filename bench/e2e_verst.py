@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -26,12 +27,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from bench.e2e_runs import Hyper, Point, Run
 from bench.e2e_tasks import BenchTask
 from bench.report import CpuSample
+from services.trainer.checkpoints import WEIGHTS_DIR, WEIGHTS_HANDLE_FILE
 
-HANDLE_FILE = "checkpoint.json"
-TRAINING_STATE_DIR = "training_state"
-"""The optimiser state inside a verst checkpoint: not needed to evaluate one, so not kept."""
-POLL_S = 0.1
-"""How often the checkpoint directory is listed."""
+WEIGHTS_NAME = re.compile(r"^v(\d{6,})-e(\d+)$")
+"""A published version's weights directory: ``v{version:06d}-e{epoch}`` (services/trainer/checkpoints.py)."""
+POLL_S = 0.05
+"""How often the weights directory is listed (the trainer keeps the newest few versions)."""
 JOB_POLL_S = 1.0
 """How often the job's record is read over REST."""
 STEP_TIMEOUT_S = 120.0
@@ -74,23 +75,21 @@ def job_spec(hp: Hyper, task: BenchTask, checkpoint_dir: Path, *, max_staleness:
             "ppo_epochs": 1,
             "mini_batches": 1,
             "checkpoint_dir": str(checkpoint_dir),
-            # enough that an eval step's checkpoint outlives the few polls it takes to catch it
-            "keep_checkpoints": 8,
         },
         "eval": {"at_start": False, "every_steps": 0},
     }
 
 
 def created_at(directory: Path) -> float:
-    """Unix seconds of a checkpoint's CheckpointHandle.created_at."""
-    handle = json.loads((directory / HANDLE_FILE).read_text())
+    """Unix seconds of a published version's CheckpointHandle.created_at."""
+    handle = json.loads((directory / WEIGHTS_HANDLE_FILE).read_text())
     stamp = Timestamp()
     stamp.FromJsonString(handle["createdAt"])
     return stamp.ToNanoseconds() / 1e9
 
 
 def keep_copy(source: Path, target: Path) -> None:
-    """Hard links of a checkpoint's files (not its optimiser state): they outlive verst's pruning."""
+    """Hard links of a published version's files: they outlive verst's pruning."""
     target.mkdir(parents=True)
     for entry in source.iterdir():
         if entry.is_file():
@@ -98,7 +97,7 @@ def keep_copy(source: Path, target: Path) -> None:
 
 
 class CheckpointCatcher:
-    """Follows a job's checkpoint directory: every version's time, and a copy at the eval steps."""
+    """Follows a job's published weights: every version's time, and a copy at the eval steps."""
 
     def __init__(self, job_dir: Path, out_dir: Path, eval_steps: list[int]) -> None:
         self.job_dir = job_dir
@@ -111,12 +110,14 @@ class CheckpointCatcher:
     def poll(self) -> None:
         """Record the versions that appeared since the last poll; a version at an eval step that is
         already pruned (missed) raises."""
-        if not self.job_dir.is_dir():
+        weights = self.job_dir / WEIGHTS_DIR
+        if not weights.is_dir():
             return
-        for entry in sorted(self.job_dir.iterdir()):
-            if not (entry.name.startswith("v") and entry.name[1:].isdigit()):
+        for entry in sorted(weights.iterdir()):
+            match = WEIGHTS_NAME.match(entry.name)
+            if match is None:
                 continue  # a staging directory
-            version = int(entry.name[1:])
+            version = int(match.group(1))
             if version in self.times:
                 continue
             self.times[version] = created_at(entry)

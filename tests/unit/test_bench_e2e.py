@@ -152,11 +152,16 @@ def test_the_trl_config_is_one_trl_accepts(tmp_path: Path) -> None:
     assert (config.bf16, config.use_cpu, config.shuffle_dataset) == (False, True, False)
 
 
+def weights_dir(job_dir: Path, version: int) -> Path:
+    return job_dir / "weights" / f"v{version:06d}-e0"
+
+
 def write_checkpoint(job_dir: Path, version: int, stamp: str) -> None:
-    directory = job_dir / f"v{version:06d}"
-    (directory / "training_state").mkdir(parents=True)
+    """A published version as the trainer writes it (services/trainer/checkpoints.py)."""
+    directory = weights_dir(job_dir, version)
+    directory.mkdir(parents=True)
     (directory / "model.safetensors").write_bytes(b"w")
-    (directory / "checkpoint.json").write_text(f'{{"version": {version}, "createdAt": "{stamp}"}}')
+    (directory / "handle.json").write_text(f'{{"version": {version}, "createdAt": "{stamp}"}}')
 
 
 def test_the_catcher_times_every_version_and_keeps_the_eval_steps(tmp_path: Path) -> None:
@@ -165,12 +170,12 @@ def test_the_catcher_times_every_version_and_keeps_the_eval_steps(tmp_path: Path
     catcher.poll()  # no directory yet
     write_checkpoint(job_dir, 0, "2026-01-01T00:00:00Z")
     write_checkpoint(job_dir, 1, "2026-01-01T00:00:01.250Z")
-    (job_dir / ".v000002.tmp-1").mkdir()  # being written: not a version yet
+    (job_dir / "weights" / ".v000002-e0.tmp-1").mkdir()  # being written: not a version yet
     catcher.poll()
     write_checkpoint(job_dir, 2, "2026-01-01T00:00:02.500Z")
     write_checkpoint(job_dir, 3, "2026-01-01T00:00:04.000000001Z")
     catcher.poll()
-    assert created_at(job_dir / "v000001") - created_at(job_dir / "v000000") == pytest.approx(1.25)
+    assert created_at(weights_dir(job_dir, 1)) - created_at(weights_dir(job_dir, 0)) == pytest.approx(1.25)
     run = catcher.run_of(pair=1)
     # the clock starts at v1: v0 to v1 is the first step's warm-up, kept apart
     assert [p.step for p in run.points] == [0, 2, 3]
@@ -178,7 +183,7 @@ def test_the_catcher_times_every_version_and_keeps_the_eval_steps(tmp_path: Path
     assert run.step_seconds == pytest.approx([1.25, 1.5])
     assert run.first_step_s == pytest.approx(1.25)
     kept = Path(run.points[1].checkpoint)
-    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.json", "model.safetensors"]
+    assert sorted(p.name for p in kept.iterdir()) == ["handle.json", "model.safetensors"]
 
 
 def test_a_pruned_eval_checkpoint_is_an_error(tmp_path: Path) -> None:
