@@ -7,8 +7,8 @@ For the groups of one step (blocking; run in a thread):
    denominator in every epoch). The on-policy fast path skips this forward: when
    every token was sampled by the weights being trained (its policy version is the
    trainer's) and there is one optimiser pass (``ppo_epochs`` and ``mini_batches``
-   1), the behaviour logprobs are the old logprobs (the engine's logprobs are the
-   trainer's for the same weights, which the engine's exact-logprob test checks);
+   1), the behaviour logprobs are the old logprobs (the torch engine's logprobs are
+   the trainer's for the same weights: tests/integration/test_engine.py checks it);
    the first optimiser step's forward then measures the engine/trainer mismatch
    (``objective.StepStats.mismatch_kl``). A correction that corrects the engine
    itself (``corrects_engine``: TIS) always recomputes them;
