@@ -26,6 +26,7 @@ from services.common.pb import common_pb2
 from services.tasks import eval_prompts, resolve_model_path, train_prompts
 from services.tasks.addition import score_addition
 from services.tasks.prompts import encode_prompt
+from services.tasks.tiny_llama import generate_texts
 from services.trainer.batching import token_logprobs
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.prepare import prepare
@@ -88,8 +89,6 @@ def sample_groups(
 @torch.no_grad()
 def accuracy(model: Any, tokenizer: Any, examples: list[Any], budget: int) -> float:
     """Greedy exact match on the held-out prompts."""
-    from services.tasks.tiny_llama import generate_texts
-
     prefixes = [encode_prompt(tokenizer, e.text) for e in examples]
     texts = generate_texts(model, tokenizer, prefixes, budget, sample=False)
     return sum(score_addition(t, e.answer)[0] for t, e in zip(texts, examples, strict=True)) / len(examples)
