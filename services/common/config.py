@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # The trainer's registries (services/trainer: advantages, losses, regularizers) own the algorithm
 # names and their traits; this module must not import them (torch). The Literals below and these
@@ -79,8 +87,15 @@ class AlgorithmConfig(Section):
     """Fold the KL penalty into each token's reward (REINFORCE++ style) instead of the loss."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "decoupled"
+    """How the policy loss corrects for the weights that sampled each token: `decoupled` (decoupled
+    PPO: weight p_old / p_behaviour, tokens above behaviour_weight_cap left out), `tis` (weight
+    min(p_old / p_behaviour, tis_cap)) or `none`."""
     tis_cap: float | None = Field(None, gt=0.0)
-    """Cap of truncated importance sampling between engine and trainer logprobs; null disables."""
+    """Cap of truncated importance sampling; setting it selects off_policy_correction `tis` (null
+    there: 2.0)."""
+    behaviour_weight_cap: float = Field(5.0, gt=1.0)
+    """Decoupled PPO: tokens whose weight p_old / p_behaviour exceeds it are left out of the loss."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """How many policy versions a token may lag the trainer and still be trained on."""
     stale_policy: Literal["drop", "downweight"] = "drop"
@@ -101,6 +116,21 @@ class AlgorithmConfig(Section):
     """GSPO: the sequence ratio is clipped below at 1 - gspo_clip_low."""
     gspo_clip_high: float = Field(4e-4, ge=0.0, le=10.0)
     """GSPO: the sequence ratio is clipped above at 1 + gspo_clip_high."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_cap_selects_tis(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tis_cap") is not None and "off_policy_correction" not in data:
+            return {**data, "off_policy_correction": "tis"}
+        return data
+
+    @model_validator(mode="after")
+    def _tis_cap_is_for_tis(self) -> AlgorithmConfig:
+        if self.tis_cap is not None and self.off_policy_correction != "tis":
+            raise ValueError(
+                f"tis_cap is the cap of off_policy_correction 'tis', not {self.off_policy_correction!r}"
+            )
+        return self
 
     @field_validator("group_size")
     @classmethod

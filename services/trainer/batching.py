@@ -54,7 +54,7 @@ class TrainSample:
     old_values: Sequence[float] | None = None
     """The critic's values when the step began (for the value clip); None without a critic."""
     is_weights: Sequence[float] | None = None
-    """Truncated importance weight of each token's policy loss (TIS); None: 1."""
+    """Behaviour importance weight of each token's policy loss (algorithm.off_policy_correction); None: 1."""
     weight: float = 1.0
     """Multiplies every token weight of the sample (staleness downweighting)."""
 
@@ -100,7 +100,7 @@ class MicroBatch:
     returns: torch.Tensor
     old_values: torch.Tensor
     is_weights: torch.Tensor
-    """TIS weight of each token (1 where a sample has none)."""
+    """Behaviour importance weight of each token (1 where a sample has none)."""
     mask: torch.Tensor
     weights: torch.Tensor
     """Aggregation weight x the sample's weight; 0 off the mask."""

@@ -5,13 +5,18 @@ weights of the whole optimiser step (so accumulated micro-batches give the
 mini-batch gradient):
 
 - the policy loss (``algorithm.policy_loss``) on the ratio to the trainer's *old*
-  logprobs (fixed when the step began), each token's loss times its TIS weight;
+  logprobs (fixed when the step began), each token's loss times its behaviour
+  importance weight (``algorithm.off_policy_correction``);
 - ``kl_coef`` x the KL estimator to the reference model, unless ``kl_in_reward``
   folded it into the rewards already;
 - ``-entropy_coef`` x the policy's entropy.
 
 Entropy and KL are measured on every micro-batch (without a gradient when their
-coefficient is 0), so they are logged whatever the configuration.
+coefficient is 0), so they are logged whatever the configuration. So is the
+engine/trainer mismatch, KL(behaviour || trainer), from the training forward's own
+logprobs: the first optimiser step's forward runs the weights the step began with,
+so it measures what the old-logprob forward would have (which the on-policy fast
+path skips).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from services.trainer.losses import PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
     KL_ESTIMATORS,
     entropy_bonus,
+    k3,
     kl_loss,
     masked_entropy_sum,
     token_entropy,
@@ -60,6 +66,7 @@ class Totals:
     approx_kl: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0
+    mismatch_kl: float = 0.0
     loss_tokens: int = 0
     tokens: int = 0
     padded_tokens: int = 0
@@ -82,6 +89,8 @@ def micro_batch_loss(
         algorithm,
     )
     loss = policy.loss
+    with torch.no_grad():  # k3 with r = p_trainer / p_behaviour, on the tokens behaviour sampled
+        totals.mismatch_kl += _token_sum(k3(batch.behaviour_logprobs, logprobs), mask)
     totals.policy_loss += float(policy.loss.detach())
     totals.clipped += policy.clip_fraction * policy.tokens
     totals.approx_kl += policy.approx_kl * policy.tokens
@@ -137,6 +146,10 @@ class StepStats:
     value_loss: float = 0.0
     value_clip_fraction: float = 0.0
     critic_grad_norm: float = 0.0
+    mismatch_kl: float = 0.0
+    """k3 estimate of KL(behaviour || trainer) over the first optimiser step's tokens, from its
+    forward (the weights before any update): the engine/trainer mismatch, plus the drift of the
+    weights since stale tokens were sampled."""
 
     @property
     def padding_waste(self) -> float:
@@ -148,7 +161,7 @@ class StepStats:
             name: float(getattr(self, name))
             for name in (
                 "loss", "policy_loss", "kl_loss", "entropy_loss", "clip_fraction", "approx_kl", "kl",
-                "entropy", "grad_norm", "learning_rate", "optimizer_steps", "padding_waste",
+                "entropy", "grad_norm", "learning_rate", "optimizer_steps", "padding_waste", "mismatch_kl",
             )
         }  # fmt: skip
         if self.critic_steps:
@@ -168,6 +181,7 @@ def combine(
         raise ValueError("no optimiser steps to combine")
     count = len(steps)
     tokens = sum(t.loss_tokens for t, _ in steps) or 1
+    first = steps[0][0]
     critic_tokens = sum(c.tokens for c in critic) or 1
     return StepStats(
         loss=sum(t.loss for t, _ in steps) / count,
@@ -187,4 +201,5 @@ def combine(
         value_loss=sum(c.loss for c in critic) / len(critic) if critic else 0.0,
         value_clip_fraction=sum(c.clip_fraction * c.tokens for c in critic) / critic_tokens,
         critic_grad_norm=sum(c.grad_norm for c in critic) / len(critic) if critic else 0.0,
+        mismatch_kl=first.mismatch_kl / first.loss_tokens if first.loss_tokens else 0.0,
     )

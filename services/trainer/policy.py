@@ -312,7 +312,7 @@ class Policy:
 
         PPO's ratio is to each sample's ``old_logprobs``, fixed for all the steps: the
         trainer's own from the start of the step (services/trainer/prepare.py sets them),
-        or the behaviour logprobs where a sample has none.
+        or the behaviour logprobs where a sample has none (prepare's on-policy fast path).
         """
         if not samples:
             raise ValueError("no samples to optimise on")

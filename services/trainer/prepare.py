@@ -3,11 +3,19 @@
 For the groups of one step (blocking; run in a thread):
 
 1. old logprobs: the trainer's log p of every response token under the current
-   weights (PPO's old policy; the ratio's denominator in every epoch);
+   weights (PPO's old policy, the proximal policy of decoupled PPO: the ratio's
+   denominator in every epoch). The on-policy fast path skips this forward: when
+   every token was sampled by the weights being trained (its policy version is the
+   trainer's) and there is one optimiser pass (``ppo_epochs`` and ``mini_batches``
+   1), the behaviour logprobs are the old logprobs (the torch engine's logprobs are
+   the trainer's for the same weights: tests/integration/test_engine.py checks it);
+   the first optimiser step's forward then measures the engine/trainer mismatch
+   (``objective.StepStats.mismatch_kl``). A correction that corrects the engine
+   itself (``corrects_engine``: TIS) always recomputes them;
 2. reference logprobs (``kl_coef > 0``) and the critic's values (an estimator that ``needs_critic``);
-3. truncated importance sampling: w = min(p_old / p_behaviour, tis_cap) per token,
-   the engine's sampling distribution corrected to the trainer's, and the mismatch
-   KL(behaviour || old), measured every step whether TIS is on or not;
+3. the behaviour importance weight of each token (``algorithm.off_policy_correction``,
+   ``regularizers.OFF_POLICY_CORRECTIONS``): from r = p_old / p_behaviour, decoupled
+   PPO's r where r <= behaviour_weight_cap (else 0), TIS's min(r, tis_cap), or none;
 4. advantages per token (``get_token_advantage``, for every estimator; the outcome
    ones broadcast their per-sample value); with ``kl_in_reward`` the KL penalty is
    each token's reward; an estimator's advantages are whitened over the batch when it
@@ -19,7 +27,6 @@ For the groups of one step (blocking; run in a thread):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,7 +45,13 @@ from services.trainer.advantages import (
 from services.trainer.batching import TrainSample, response_mask, response_matrix, unpad
 from services.trainer.critic import Critic
 from services.trainer.reference import ReferenceModel
-from services.trainer.regularizers import STALE_POLICIES, kl_reward_penalty, truncated_importance_weights
+from services.trainer.regularizers import (
+    OFF_POLICY_CORRECTIONS,
+    STALE_POLICIES,
+    ImportanceWeights,
+    OffPolicyCorrection,
+    kl_reward_penalty,
+)
 
 HISTOGRAM_BUCKETS = 8
 """Staleness histogram: one count per lag 0..7, then one for every larger lag."""
@@ -58,15 +71,19 @@ class Prepared:
     """Each sample's version lag, dropped ones included."""
     stale_dropped: int
     stale_downweighted: int
-    mismatch_kl: float
-    """k3 estimate of KL(behaviour || trainer old), mean over loss tokens."""
-    tis_capped_fraction: float
-    """Share of loss tokens whose importance ratio was above tis_cap (0 without TIS)."""
+    mismatch_kl: float | None
+    """k3 estimate of KL(behaviour || trainer old), mean over loss tokens; None when the old-logprob
+    forward was skipped. The step's metrics report it from the training forward (StepStats)."""
+    importance_capped_fraction: float
+    """Share of loss tokens whose behaviour weight was above its cap: truncated (TIS) or left out
+    (decoupled); 0 without a correction or on the fast path."""
+    old_logprobs_skipped: bool = False
+    """The on-policy fast path: the behaviour logprobs served as the old logprobs."""
 
     def metrics(self) -> dict[str, float]:
         values = {
-            "mismatch_kl": self.mismatch_kl,
-            "tis_capped_fraction": self.tis_capped_fraction,
+            "importance_capped_fraction": self.importance_capped_fraction,
+            "old_logprobs_skipped": float(self.old_logprobs_skipped),
             "stale_samples_dropped": float(self.stale_dropped),
             "stale_downweighted": float(self.stale_downweighted),
             "staleness_max": float(max(self.lags, default=0)),
@@ -131,6 +148,29 @@ def token_advantages(
     )
 
 
+def skips_old_logprobs(
+    groups: Sequence[Sequence[common_pb2.Trajectory]], spec: JobSpec, version: int
+) -> bool:
+    """The on-policy fast path: one optimiser pass, a correction that does not correct the engine,
+    and every response token sampled by version ``version`` (the weights being trained)."""
+    trainer = spec.trainer
+    if trainer.ppo_epochs != 1 or trainer.mini_batches != 1:
+        return False
+    if OFF_POLICY_CORRECTIONS.get(spec.algorithm.off_policy_correction).corrects_engine:
+        return False
+    return all(
+        len(t.policy_versions) == len(t.response_token_ids) and all(v == version for v in t.policy_versions)
+        for group in groups
+        for t in group
+    )
+
+
+def correction_cap(correction: OffPolicyCorrection, spec: JobSpec) -> float:
+    """The cap of the correction's weights: its ``algorithm`` field, else its default."""
+    cap = correction.cap_of(spec.algorithm)
+    return correction.default_cap if cap is None else float(cap)
+
+
 def prepare(
     groups: Sequence[Sequence[common_pb2.Trajectory]],
     spec: JobSpec,
@@ -150,13 +190,16 @@ def prepare(
         lags, algorithm.max_staleness, algorithm.stale_decay
     )
     mask = response_mask(samples)
-    old = policy.response_logprobs(samples)
-    old_m = response_matrix(old)
+    skipped = skips_old_logprobs(groups, spec, version)
+    behaviour = response_matrix([s.behaviour_logprobs for s in samples])
+    old = None if skipped else policy.response_logprobs(samples)  # None: the behaviour logprobs
+    old_m = behaviour if old is None else response_matrix(old)
     ref = reference.response_logprobs(samples) if reference is not None else None
     values = critic.values(samples) if critic is not None else None
-    tis = truncated_importance_weights(
-        old_m, response_matrix([s.behaviour_logprobs for s in samples]), mask, algorithm.tis_cap or math.inf
-    )
+    correction = OFF_POLICY_CORRECTIONS.get(algorithm.off_policy_correction)
+    weights: ImportanceWeights | None = None
+    if not skipped:  # on the fast path every weight is p_behaviour / p_behaviour = 1
+        weights = correction.fn(old_m, behaviour, mask, correction_cap(correction, spec))
     estimated = token_advantages(spec, rewards, mask, old_m, ref, values)
     advantages = estimated.advantages
     if ADVANTAGE_ESTIMATORS.get(algorithm.advantage).whiten:  # PPO's practice for GAE
@@ -167,7 +210,9 @@ def prepare(
         "ref_logprobs": ref,
         "returns": unpad(estimated.returns, samples) if critic is not None else None,
         "old_values": values,
-        "is_weights": unpad(tis.weights, samples) if algorithm.tis_cap is not None else None,
+        "is_weights": unpad(weights.weights, samples)
+        if weights is not None and correction.reweights
+        else None,
         "weight": staleness.weights,
     }
     filled = {name: column for name, column in per_sample.items() if column is not None}
@@ -182,6 +227,7 @@ def prepare(
         lags=lags,
         stale_dropped=staleness.dropped,
         stale_downweighted=staleness.downweighted,
-        mismatch_kl=tis.mismatch_kl,
-        tis_capped_fraction=tis.capped_fraction if algorithm.tis_cap is not None else 0.0,
+        mismatch_kl=weights.mismatch_kl if weights is not None else None,
+        importance_capped_fraction=weights.capped_fraction if weights is not None else 0.0,
+        old_logprobs_skipped=skipped,
     )

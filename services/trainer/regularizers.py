@@ -1,6 +1,7 @@
 """Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``, registered in
-``KL_ESTIMATORS``), the entropy of the policy, truncated importance sampling between engine and
-trainer, and staleness weights (``algorithm.stale_policy``, registered in ``STALE_POLICIES``).
+``KL_ESTIMATORS``), the entropy of the policy, the behaviour importance weights of the off-policy
+corrections (``algorithm.off_policy_correction``, registered in ``OFF_POLICY_CORRECTIONS``), and
+staleness weights (``algorithm.stale_policy``, registered in ``STALE_POLICIES``).
 Each is a small function of per-token tensors.
 
 KL direction: the tokens were sampled from the policy pi, and the estimators
@@ -10,8 +11,10 @@ with the ratio r = pi_ref(x) / pi(x), so log r = logp_ref - logp.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -109,36 +112,118 @@ def entropy_bonus(
 @dataclass(frozen=True, slots=True)
 class ImportanceWeights:
     weights: torch.Tensor
-    """Per token: min(exp(logp_trainer_old - logp_behaviour), cap), no gradient; 0 off the mask."""
+    """Per token: the behaviour importance weight of its policy loss, no gradient; 0 off the mask."""
     mismatch_kl: float
     """k3 estimate of KL(behaviour || trainer), the mean over masked tokens: r - 1 - log r,
     r = p_trainer / p_behaviour (the engine sampled the tokens)."""
     capped_fraction: float
-    """Share of masked tokens whose ratio was above the cap."""
+    """Share of masked tokens whose ratio was above the cap (truncated or dropped)."""
     tokens: int
     """Masked tokens, to combine means of several micro-batches."""
 
 
+TIS_DEFAULT_CAP = 2.0
+"""TIS's cap when ``algorithm.tis_cap`` is null (ms-swift's default importance sampling threshold)."""
+
+BehaviourWeightFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], ImportanceWeights]
+
+
+@dataclass(frozen=True, slots=True)
+class OffPolicyCorrection(Entry[BehaviourWeightFn]):
+    """How the policy loss corrects for the behaviour policy, and what the trainer may assume of it."""
+
+    reweights: bool = True
+    """Its weights multiply the policy loss (False: every weight is 1, only the mismatch is measured)."""
+    cap_of: Callable[[Any], float | None] = lambda algorithm: None
+    """Its cap, read from the ``algorithm`` section (None: ``default_cap``)."""
+    default_cap: float = math.inf
+    """Its cap when ``cap_of`` gives None."""
+    corrects_engine: bool = False
+    """It corrects the engine/trainer mismatch, which tokens of the current version have too: the
+    old logprobs are recomputed even when every token is fresh (no on-policy fast path)."""
+
+
+OFF_POLICY_CORRECTIONS: Registry[OffPolicyCorrection] = Registry(
+    OffPolicyCorrection, kind="off-policy correction", field="algorithm.off_policy_correction"
+)
+"""Every off-policy correction by the name ``algorithm.off_policy_correction`` uses."""
+
+
+def _behaviour_ratio(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, int, float]:
+    """(r = p_trainer / p_behaviour per token, masked tokens, mean k3 of KL(behaviour || trainer))."""
+    if cap <= 0:
+        raise ValueError("the importance weight cap must be > 0")
+    log_ratio = _masked(trainer_logprobs - behaviour_logprobs, mask)
+    tokens = int(mask.sum())
+    kl = _masked(torch.expm1(log_ratio) - log_ratio, mask)
+    return torch.exp(log_ratio), tokens, float(kl.sum()) / tokens if tokens else 0.0
+
+
+def _fraction(selected: torch.Tensor, tokens: int) -> float:
+    return float(selected.sum()) / tokens if tokens else 0.0
+
+
+@OFF_POLICY_CORRECTIONS.register("none", reweights=False)
+@torch.no_grad()
+def unit_importance_weights(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> ImportanceWeights:
+    """No correction: every weight 1 (``cap`` unused); the mismatch is still measured."""
+    _, tokens, kl = _behaviour_ratio(trainer_logprobs, behaviour_logprobs, mask, cap)
+    return ImportanceWeights(weights=mask.to(trainer_logprobs.dtype), mismatch_kl=kl, capped_fraction=0.0,
+                             tokens=tokens)  # fmt: skip
+
+
+@OFF_POLICY_CORRECTIONS.register(
+    "tis", cap_of=lambda algorithm: algorithm.tis_cap, default_cap=TIS_DEFAULT_CAP, corrects_engine=True
+)
 @torch.no_grad()
 def truncated_importance_weights(
     trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
 ) -> ImportanceWeights:
-    """Truncated importance sampling (TIS) for the engine/trainer mismatch: the engine's logprobs
-    differ from the trainer's for the same weights (kernels, precision), so a token's loss is
-    reweighted by w = min(pi_trainer_old / pi_behaviour, cap), treated as a constant."""
-    if cap <= 0:
-        raise ValueError("the TIS cap must be > 0")
-    log_ratio = _masked(trainer_logprobs - behaviour_logprobs, mask)
-    ratio = torch.exp(log_ratio)
-    tokens = int(mask.sum())
-    kl = _masked(torch.expm1(log_ratio) - log_ratio, mask)
-    capped = mask & (ratio > cap)
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"; verl's ``tis_imp_ratio_cap``) for the engine/trainer
+    mismatch: the engine's logprobs differ from the trainer's for the same weights (kernels,
+    precision), so a token's loss is reweighted by w = min(pi_trainer_old / pi_behaviour, cap),
+    treated as a constant."""
+    ratio, tokens, kl = _behaviour_ratio(trainer_logprobs, behaviour_logprobs, mask, cap)
     return ImportanceWeights(
         weights=_masked(torch.clamp(ratio, max=cap), mask),
-        mismatch_kl=float(kl.sum()) / tokens if tokens else 0.0,
-        capped_fraction=float(capped.sum()) / tokens if tokens else 0.0,
+        mismatch_kl=kl,
+        capped_fraction=_fraction(mask & (ratio > cap), tokens),
         tokens=tokens,
     )
+
+
+@OFF_POLICY_CORRECTIONS.register("decoupled", cap_of=lambda algorithm: algorithm.behaviour_weight_cap)
+@torch.no_grad()
+def decoupled_importance_weights(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> ImportanceWeights:
+    """The behaviour weight of decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
+    optimization"; as AReaL trains asynchronously: Fu et al. 2025, "AReaL: A Large-Scale
+    Asynchronous Reinforcement Learning System for Language Reasoning", ``ppo_actor_loss_fn``).
+
+    Three policies: pi_behav sampled the token (its logprobs came with it), pi_prox is the
+    proximal policy (the trainer's weights when the step began: the recomputed old logprobs),
+    pi_theta is being trained. The token loss is
+
+        w * max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A),  r = pi_theta / pi_prox,
+        w = pi_prox / pi_behav  if pi_prox / pi_behav <= cap, else 0  (a constant),
+
+    so the clip bounds each step around pi_prox, however stale pi_behav, and w corrects the
+    expectation from pi_behav's samples to pi_prox's; a token whose w exceeds the cap is dropped
+    from the loss (AReaL's ``behav_imp_weight_cap``), not truncated. This function gives w; the
+    policy loss multiplies its token losses by it. With on-policy tokens (pi_behav = pi_prox) every
+    w is 1 and the loss is plain PPO's."""
+    ratio, tokens, kl = _behaviour_ratio(trainer_logprobs, behaviour_logprobs, mask, cap)
+    kept = mask & (ratio <= cap)
+    return ImportanceWeights(
+        weights=_masked(ratio, kept), mismatch_kl=kl, capped_fraction=_fraction(mask & ~kept, tokens),
+        tokens=tokens,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

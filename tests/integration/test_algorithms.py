@@ -1,5 +1,6 @@
 """Every algorithm of the trainer on a tiny random Llama: each improves its objective on a fixed
-batch; the KL term pulls the policy toward the reference; TIS weights scale the policy gradient;
+batch; the KL term pulls the policy toward the reference; behaviour importance weights (TIS,
+decoupled PPO) scale the policy gradient; the on-policy fast path measures the engine mismatch;
 and a whole job (PPO with a critic, KL, entropy, TIS, staleness downweighting and the
 zero-variance filter) trains through Redis, reports its metrics and checkpoints its critic."""
 
@@ -114,7 +115,7 @@ ALGORITHMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_each_algorithm_raises_the_likelihood_of_rewarded_responses(name: str, model_dir: Path) -> None:  # noqa: F811
     algorithm, trainer_fields = ALGORITHMS[name]
-    spec = spec_of(model_dir, algorithm, **trainer_fields)
+    spec = spec_of(model_dir, {"max_staleness": 3, **algorithm}, **trainer_fields)
     groups = fixed_groups(model_dir)
     policy = load_policy(spec, model_dir)
     critic = Critic.load(spec, model_dir, CPU) if algorithm.get("advantage") == "gae" else None
@@ -122,7 +123,8 @@ def test_each_algorithm_raises_the_likelihood_of_rewarded_responses(name: str, m
         before = mean_logprobs(policy, groups)
         runs = []
         for step in range(4):  # each round: old logprobs, values and advantages afresh, then optimise
-            prepared = prepare(groups, spec, 0, policy, critic=critic)
+            prepared = prepare(groups, spec, step, policy, critic=critic)  # the v0 groups age a version
+            assert prepared.old_logprobs_skipped == (step == 0 and name != "ppo_gae")
             runs.append(policy.optimise(prepared.samples, seed=step, critic=critic))
         after = mean_logprobs(policy, groups)
     finally:
@@ -146,22 +148,22 @@ def test_the_kl_term_pulls_the_policy_toward_the_reference(model_dir: Path, tmp_
     policy_model.save_pretrained(other)
     build_char_tokenizer().save_pretrained(other)
     # Equal rewards: no advantage, so any change comes from the KL term alone.
-    spec = spec_of(model_dir, {"kl_coef": 1.0, "kl_estimator": "k3"})
+    spec = spec_of(model_dir, {"kl_coef": 1.0, "kl_estimator": "k3", "max_staleness": 5})
     groups = fixed_groups(other, rewards=(1.0, 1.0, 1.0, 1.0))
     policy = load_policy(spec, other)
     reference = ReferenceModel.load(spec, model_dir, CPU)
 
     def kl_to_reference() -> float:
         """The mean k3 over the response tokens: what the KL term minimises."""
-        prepared = prepare(groups, spec, 0, policy, reference)
-        old = torch.tensor([lp for s in prepared.samples for lp in s.old_logprobs or []])
-        ref = torch.tensor([lp for s in prepared.samples for lp in s.ref_logprobs or []])
-        return float(k3(old, ref).mean())
+        samples = base_samples(groups)
+        now = torch.tensor([lp for row in policy.response_logprobs(samples) for lp in row])
+        ref = torch.tensor([lp for row in reference.response_logprobs(samples) for lp in row])
+        return float(k3(now, ref).mean())
 
     try:
         before = kl_to_reference()
-        for step in range(5):
-            stats = policy.optimise(prepare(groups, spec, 0, policy, reference).samples, seed=step)
+        for step in range(5):  # the groups were sampled at v0; the policy is at v<step>
+            stats = policy.optimise(prepare(groups, spec, step, policy, reference).samples, seed=step)
             assert stats.kl > 0 and stats.kl_loss > 0 and stats.policy_loss == 0.0
         after = kl_to_reference()
     finally:
@@ -170,30 +172,58 @@ def test_the_kl_term_pulls_the_policy_toward_the_reference(model_dir: Path, tmp_
     assert before > 0.1 and after < 0.7 * before, (before, after)
 
 
-@pytest.mark.parametrize("cap", [None, 0.2])
-def test_truncated_importance_weights_scale_the_policy_gradient(
-    model_dir: Path,  # noqa: F811
-    cap: float | None,
-) -> None:
-    """The engine sampled with probabilities 4x the trainer's: the ratio p_old / p_behaviour is 1/4
-    on every token, capped at 0.2, so the first step's gradient is 0.2 x the uncorrected one."""
-    groups = fixed_groups(model_dir)
+def shifted_groups(model: Path, factor: float, version: int) -> list[list[Trajectory]]:
+    """fixed_groups as if sampled by version ``version`` with probabilities ``factor`` x the model's."""
+    groups = fixed_groups(model)
     for t in (t for group in groups for t in group):
-        shifted = [lp + math.log(4.0) for lp in t.behaviour_logprobs]
+        shifted = [lp + math.log(factor) for lp in t.behaviour_logprobs]
         del t.behaviour_logprobs[:]
         t.behaviour_logprobs.extend(shifted)
-    norms = []
-    for tis_cap in (None, cap):
-        spec = spec_of(model_dir, {"tis_cap": tis_cap}, zero_stage=0, max_grad_norm=None)
-        policy = load_policy(spec, model_dir)
-        try:
-            prepared = prepare(groups, spec, 0, policy)
-            norms.append(policy.optimise(prepared.samples, seed=0).grad_norm)
-        finally:
-            policy.close()
+        t.policy_versions[:] = [version] * len(t.policy_versions)
+    return groups
+
+
+def first_step(spec: JobSpec, model: Path, groups: list[list[Trajectory]], version: int) -> tuple[Any, Any]:
+    policy = load_policy(spec, model)
+    try:
+        prepared = prepare(groups, spec, version, policy)
+        return prepared, policy.optimise(prepared.samples, seed=0)
+    finally:
+        policy.close()
+
+
+def test_behaviour_importance_weights_scale_the_policy_gradient(model_dir: Path) -> None:  # noqa: F811
+    """The engine sampled with probabilities 4x the trainer's, one version ago: the weight p_old /
+    p_behaviour is 1/4 on every token; TIS caps it at 0.2, decoupled PPO keeps it (under its cap),
+    so the first step's gradient is 0.2 and 0.25 x the uncorrected one."""
+    groups = shifted_groups(model_dir, 4.0, version=0)
+    norms = {}
+    for correction, settings in {
+        "none": {"off_policy_correction": "none"},
+        "tis": {"tis_cap": 0.2},
+        "decoupled": {"off_policy_correction": "decoupled"},
+    }.items():
+        algorithm = {"max_staleness": 1, **settings}
+        spec = spec_of(model_dir, algorithm, zero_stage=0, max_grad_norm=None)
+        prepared, stats = first_step(spec, model_dir, groups, version=1)
+        norms[correction] = stats.grad_norm
+        assert not prepared.old_logprobs_skipped  # the tokens are stale
         assert prepared.mismatch_kl == pytest.approx(0.25 - 1 - math.log(0.25), abs=1e-4)
-        assert prepared.tis_capped_fraction == (1.0 if tis_cap else 0.0)
-    assert norms[1] == pytest.approx(norms[0] * (0.2 if cap else 1.0), rel=1e-4)
+        assert stats.mismatch_kl == pytest.approx(prepared.mismatch_kl, abs=1e-4)
+        assert prepared.importance_capped_fraction == (1.0 if correction == "tis" else 0.0)
+    assert norms["tis"] == pytest.approx(norms["none"] * 0.2, rel=1e-4)
+    assert norms["decoupled"] == pytest.approx(norms["none"] * 0.25, rel=1e-4)
+
+
+def test_the_on_policy_fast_path_measures_the_mismatch_in_the_training_forward(model_dir: Path) -> None:  # noqa: F811
+    """Fresh tokens and one optimiser pass: no old-logprob forward; the behaviour logprobs are the old
+    ones, so an engine off by 4x shows in the mismatch the training forward measures."""
+    spec = spec_of(model_dir, {}, zero_stage=0, max_grad_norm=None)
+    prepared, stats = first_step(spec, model_dir, shifted_groups(model_dir, 4.0, version=0), version=0)
+    assert prepared.old_logprobs_skipped and prepared.mismatch_kl is None
+    assert stats.mismatch_kl == pytest.approx(0.25 - 1 - math.log(0.25), abs=1e-4)
+    exact, exact_stats = first_step(spec, model_dir, shifted_groups(model_dir, 1.0, version=0), version=0)
+    assert exact.old_logprobs_skipped and exact_stats.mismatch_kl < 1e-6 and exact_stats.grad_norm > 0
 
 
 async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
@@ -251,7 +281,7 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
         assert values["optimizer_steps"] == 2 and values["tokens_per_s"] > 0
         assert 0 <= values["padding_waste"] < 1
     # Step 1's behaviour logprobs come from the trainer's weights; step 2's stale group from v0's.
-    assert metrics[1]["mismatch_kl"] < 1e-6 and metrics[1]["tis_capped_fraction"] == 0.0
+    assert metrics[1]["mismatch_kl"] < 1e-6 and metrics[1]["importance_capped_fraction"] == 0.0
     assert metrics[2]["mismatch_kl"] > 1e-6
     assert (metrics[1]["stale_downweighted"], metrics[1]["staleness_max"]) == (0, 0)
     assert metrics[2]["stale_downweighted"] == 2 and metrics[2]["staleness_max"] == 1

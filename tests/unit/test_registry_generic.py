@@ -19,7 +19,7 @@ from services.common.config import (
 from services.common.registry import Entry, Registry
 from services.trainer.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.losses import POLICY_LOSSES
-from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
+from services.trainer.regularizers import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, STALE_POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,7 @@ def literal_choices(field: str) -> tuple[str, ...]:
         ("policy_loss", POLICY_LOSSES),
         ("kl_estimator", KL_ESTIMATORS),
         ("stale_policy", STALE_POLICIES),
+        ("off_policy_correction", OFF_POLICY_CORRECTIONS),
     ],
 )
 def test_the_jobspec_offers_exactly_the_registered_names(
@@ -149,3 +150,6 @@ def test_the_estimators_declare_their_traits() -> None:
     }
     assert ADVANTAGE_ESTIMATORS.where(token_level=True) == {"reinforce_pp", "reinforce_pp_baseline", "gae"}
     assert STALE_POLICIES.where(drops=True) == {"drop"}
+    assert OFF_POLICY_CORRECTIONS.where(corrects_engine=True) == {"tis"}
+    caps = {c.name: c.cap_of(AlgorithmConfig(tis_cap=3.0)) for c in OFF_POLICY_CORRECTIONS}
+    assert caps == {"none": None, "tis": 3.0, "decoupled": AlgorithmConfig().behaviour_weight_cap}

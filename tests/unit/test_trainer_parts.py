@@ -1,6 +1,7 @@
 """The trainer's parts that need neither Redis nor a model: the group collector, the checkpoint
 store, the learning-rate schedule, per-token collation, the micro-batch objective and the
-preparation of a step (old logprobs, TIS, advantages, staleness) with stand-in models."""
+preparation of a step (old logprobs, importance weights, advantages, staleness) with stand-in
+models."""
 
 from __future__ import annotations
 
@@ -281,12 +282,17 @@ def test_prepare_broadcasts_outcome_advantages_and_measures_the_mismatch() -> No
     first = prepared.samples[0]
     assert first.advantage == pytest.approx([0.7071, 0.7071], abs=1e-3)  # grpo, broadcast
     assert first.old_logprobs == old[0] and first.is_weights == pytest.approx([2.0, 1.0])
-    assert prepared.tis_capped_fraction == 1 / 8
+    assert prepared.importance_capped_fraction == 1 / 8 and not prepared.old_logprobs_skipped
     assert prepared.mismatch_kl == pytest.approx((3 - 1 - math.log(3)) / 8)
     assert prepared.rewards == [1.0, 0.0, 0.0, 0.0] and prepared.lags == [0] * 4
-    off = prepare(groups, spec_with(), 3, FixedLogprobs(old))
-    assert off.samples[0].is_weights is None and off.tis_capped_fraction == 0.0
-    assert off.mismatch_kl == prepared.mismatch_kl  # measured with TIS off too
+    # Tokens one version old: the old logprobs are recomputed whatever the correction.
+    stale = groups_of([[1.0, 0.0], [0.0, 0.0]], [[2, 2], [2, 2]])
+    off = prepare(stale, spec_with(off_policy_correction="none"), 3, FixedLogprobs(old))
+    assert off.samples[0].is_weights is None and off.importance_capped_fraction == 0.0
+    assert off.mismatch_kl == prepared.mismatch_kl  # measured without a correction too
+    decoupled = prepare(stale, spec_with(behaviour_weight_cap=2.5), 3, FixedLogprobs(old))
+    assert decoupled.samples[0].is_weights == pytest.approx([0.0, 1.0])  # 3 > 2.5: left out
+    assert decoupled.importance_capped_fraction == 1 / 8
 
 
 def test_prepare_downweights_or_drops_stale_samples_and_counts_them() -> None:
