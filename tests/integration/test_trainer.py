@@ -340,9 +340,9 @@ async def resume_for_one_more_step(
     extra = make_group(job_id, "g4", (0.0, 1.0), 2, v2) + make_group(job_id, "g5", (1.0, 0.0), 2, v2)
     await bus.publish_many(streams.trajectories, [resent, *extra])
     assert_hf_checkpoint(await checkpoint(bus, job_id, 3), job_id, 3)
-    assert CheckpointStore(runs, job_id, 1).load(3).consumed == {"g4:0", "g4:1", "g5:0", "g5:1"}
-    status = await final_status(bus, job_id, nth=2)
+    status = await final_status(bus, job_id, nth=2)  # the last step's durable checkpoint comes first
     assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, 3)
+    assert CheckpointStore(runs, job_id, 1).load(3).consumed == {"g4:0", "g4:1", "g5:0", "g5:1"}
     assert (await metrics_of(bus, job_id))[3]["duplicates_skipped"] == 1
     handles = await stream_messages(bus, streams.checkpoints, common_pb2.CheckpointHandle)
     # The resume republished v2 as the first handle of a new epoch (its uri: the durable v2).
