@@ -1,0 +1,67 @@
+"""What publishing weights and checkpointing cost a job: share of the trainer's step time, bytes per step.
+
+Runs one job (default examples/grpo.yaml) on a local stack, like `verst demo`, and sums the
+trainer's per-step metrics: ``publish_seconds`` (the weights-only version every step),
+``checkpoint_seconds`` (durable checkpoints), ``step_seconds`` and ``bytes_written``; the weights'
+size is the published handles' ``size_bytes``.
+
+    .venv/bin/python bench/checkpoint_bytes.py [spec.yaml]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.client import job_history, submit
+from services.common.config import JobSpec, load_job_spec
+from services.demo import follow
+from services.stack import Stack, StackConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(spec_path: Path) -> int:
+    spec = load_job_spec(spec_path)
+    config = StackConfig(log_dir=Path("runs/checkpoint_bytes/logs"), engines=1, api_port=0, router_port=0,
+                         engine_port=0, reward_port=0, trainer_port=0, runner_port=0,
+                         engine_metrics_port=0)  # fmt: skip
+    with Stack(config) as stack:
+        job_id = submit(stack.api_url, spec_path)["job_id"]
+        job = follow(stack, job_id, spec.trainer.steps)
+        history = job_history(stack.api_url, job_id)
+    rows = [row for row in history if row["source"] == "trainer" and "step_seconds" in row["values"]]
+    steps = [row["values"] for row in rows]
+    if job["state"] != "JOB_STATE_SUCCEEDED" or not steps:
+        print(f"checkpoint_bytes: job {job_id} ended {job['state']}: {job.get('reason', '')}")
+        return 1
+    total = {name: sum(step.get(name, 0.0) for step in steps) for name in steps[0]}
+    saving = total["publish_seconds"] + total["checkpoint_seconds"]
+    weights = weights_size(spec)
+    print(f"steps {len(steps)}: step_seconds {total['step_seconds']:.3f}, "
+          f"publish {total['publish_seconds']:.3f}, durable {total['checkpoint_seconds']:.3f}")  # fmt: skip
+    print(f"saving share of the trainer's step time: {saving / total['step_seconds']:.4f} over the job, "
+          f"per-step mean {statistics.fmean(s['saving_share'] for s in steps):.4f}, "
+          f"max {max(s['saving_share'] for s in steps):.4f}")  # fmt: skip
+    span = datetime.fromisoformat(rows[-1]["time"]) - datetime.fromisoformat(rows[0]["time"])
+    wall = span.total_seconds() / max(len(rows) - 1, 1)
+    print(f"wall seconds per step (step 1 to the last): {wall:.3f}; saving per step "
+          f"{saving / len(steps):.4f} s = {saving / len(steps) / wall:.4f} of it")  # fmt: skip
+    per_step = total["bytes_written"] / len(steps)
+    print(f"bytes written per step: {per_step:,.0f} (weights {weights:,.0f}: {per_step / weights:.3f}x)")
+    return 0
+
+
+def weights_size(spec: JobSpec) -> float:
+    """The base model's weights file: the size every published version of it has."""
+    from services.tasks import resolve_model_path
+
+    return float((Path(resolve_model_path(spec.model.path)) / "model.safetensors").stat().st_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "examples" / "grpo.yaml"))
