@@ -30,6 +30,9 @@ STEPS = 30
 PROMPTS_PER_STEP = 2
 AHEAD_STEPS = 3
 """The producer keeps this many steps of groups beyond the newest published version."""
+STEPS_PER_KILL = STEPS // (KILLS + 1)
+"""Until the last kill the producer feeds at most this many more steps per kill, so the job cannot
+finish before it has been killed KILLS times (on a fast machine it otherwise may)."""
 SPARES = 2
 """Trainer processes started ahead, so that a restart does not wait for torch's import."""
 RUN_DEADLINE_S = 240.0
@@ -47,13 +50,16 @@ async def newest_handle(bus: Bus, job_id: str) -> common_pb2.CheckpointHandle | 
     return await bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
 
 
-async def produce(bus: Bus, job_id: str, store: CheckpointStore, produced: list[str]) -> None:
+async def produce(
+    bus: Bus, job_id: str, store: CheckpointStore, produced: list[str], gate: dict[str, int]
+) -> None:
     """Publish groups a few steps ahead of the newest version, their tokens labelled with the
     newest durable checkpoint's version (never ahead of any trainer that may resume)."""
     total = STEPS * PROMPTS_PER_STEP
     while len(produced) < total:
         handle = await newest_handle(bus, job_id)
-        allowed = min(total, ((handle.version if handle else 0) + AHEAD_STEPS) * PROMPTS_PER_STEP)
+        ahead = (handle.version if handle else 0) + AHEAD_STEPS
+        allowed = min(total, ahead * PROMPTS_PER_STEP, gate["steps"] * PROMPTS_PER_STEP)
         while len(produced) < allowed:
             durable = await asyncio.to_thread(store.latest)
             version = int(durable.handle.version) if durable is not None else 0
@@ -97,7 +103,8 @@ async def test_a_trainer_killed_ten_times_trains_every_trajectory_exactly_once(
         bus, job_id, model_dir, runs, steps=STEPS, prompts_per_step=PROMPTS_PER_STEP,
         checkpoint_every_steps=3, keep_checkpoints=STEPS, ppo_epochs=4,
     )  # fmt: skip
-    producer = asyncio.create_task(produce(bus, job_id, store, produced))
+    gate = {"steps": STEPS_PER_KILL}
+    producer = asyncio.create_task(produce(bus, job_id, store, produced, gate))
     started = time.monotonic()
     epoch, kills = 0, 0
     processes: list[subprocess.Popen[str]] = []
@@ -119,6 +126,7 @@ async def test_a_trainer_killed_ten_times_trains_every_trajectory_exactly_once(
             trainer.kill()
             output, _ = await asyncio.to_thread(trainer.communicate, timeout=30)
             kills += 1
+            gate["steps"] = STEPS if kills == KILLS else STEPS_PER_KILL * (kills + 1)
             assert not await stream_messages(bus, streams.status, common_pb2.JobStatus), output
         survivor = await holder(bus, job_id, spares)
         try:
