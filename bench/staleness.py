@@ -114,7 +114,7 @@ def run(seed: int, lag: int, settings: dict[str, Any], steps: int, eval_every: i
             batch = [next(prompts) for _ in range(spec.rollout.prompts_per_step)]
             groups = sample_groups(sampler, tokenizer, batch, spec, sampled_by, rng)
             prepared = prepare(groups, spec, version, policy)
-            stats = policy.optimise(prepared.samples, seed * 1_000_003 + version)
+            stats = policy.optimise(prepared.samples, seed * 1_000_003 + version, proximal=prepared.proximal)
             if (version + 1) % eval_every == 0:
                 curve[version + 1] = accuracy(module, tokenizer, held_out, spec.rollout.max_new_tokens)
                 print(f"  seed {seed} step {version + 1}: accuracy {curve[version + 1]:.3f} "

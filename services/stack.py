@@ -69,6 +69,16 @@ class StackConfig:
         return StackConfig(**{**vars(self), **ports})
 
 
+def thread_split(engines: int, cores: int) -> dict[str, str]:
+    """Torch threads for the trainer and each engine so that together they use the host's cores
+    once: half for the trainer, the rest shared by the engines, at least one each. Two processes
+    whose torch threads oversubscribe the cores spin against each other; the environment (or
+    ``extra_env``) overrides these."""
+    trainer = max(1, cores // 2)
+    engine = max(1, (cores - trainer) // max(1, engines))
+    return {"VERST_TRAINER_TORCH_THREADS": str(trainer), "VERST_ENGINE_TORCH_THREADS": str(engine)}
+
+
 class Stack:
     """Starts, watches and stops the services of one local verst deployment."""
 
@@ -109,6 +119,7 @@ class Stack:
             "REDIS_URL": self.redis_url,
             "PYTHONUNBUFFERED": "1",
         }
+        base = {**thread_split(cfg.engines, os.cpu_count() or 1), **base}
         py = [sys.executable, "-m"]
         children = [
             Child("reward", [*py, "services.reward"], {**base, "VERST_REWARD_PORT": str(cfg.reward_port)},

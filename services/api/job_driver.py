@@ -41,7 +41,7 @@ import grpc
 from services.api.config import ApiSettings
 from services.api.evaluation import EvalError, Evaluator
 from services.api.job_feed import PromptFeed
-from services.api.pacing import Issue, batch_limit, plan_issue
+from services.api.pacing import Issue, plan_issue
 from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, Delivery
@@ -66,8 +66,6 @@ DRAIN_TIMEOUT_S = 5.0
 """How long a finishing driver keeps reading metrics that are already published."""
 Outcome = tuple[str, str] | None
 """(final state, reason), or None when the driver was stopped from outside."""
-ENGINE_POLL_S = 0.2
-"""How often the router is asked which versions the engines serve while pacing waits on them."""
 
 
 class Phase(enum.Enum):
@@ -124,9 +122,10 @@ class JobDriver:
         self._extra = record.issued_extra
         self._last_progress = time.monotonic()
         self._epoch = (0, 0)
+        self._version_at = 0.0
+        """Unix seconds when the newest version's handle was published (its created_at)."""
         """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
         self._evaluated: set[int] = set()
-        self._served: int | None = None
         self._eval_queue: asyncio.Queue[int] = asyncio.Queue()
         self._helpers: list[asyncio.Future[None]] = []
         """Followers, the watchdog, the issuer and the evaluator: a crash of one ends run."""
@@ -277,11 +276,8 @@ class JobDriver:
             elif self.phase is Phase.RUNNING:
                 idle = time.monotonic() - self._last_progress
                 if idle > self.settings.stall_timeout_s:
-                    served = (
-                        "no engine serves the job"
-                        if self._served is None
-                        else f"engines serve v{self._served}"
-                    )
+                    oldest = await self._served_version()
+                    served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"
                     self._fail(
                         f"stalled: no new policy version for {idle:.0f}s after version {self.latest_version}"
                         f" ({served}; {self._batches} batches issued)"
@@ -323,6 +319,7 @@ class JobDriver:
             self._last_progress = time.monotonic()  # a new version, also one reissued after a resume
         if handle.version > self.latest_version:
             self.latest_version = handle.version
+            self._version_at = handle.created_at.ToNanoseconds() / 1e9
             self._last_progress = time.monotonic()
             self._wake.set()
             every = self.spec.eval.every_steps
@@ -403,28 +400,23 @@ class JobDriver:
         """Publish paced batches (up to trainer.steps of them) and replacements for dropped groups."""
         while not self._stopping.is_set():
             self._wake.clear()
-            issue = await self._plan()
+            issue = self._plan()
             if issue.replacements:
                 await self._publish(feed.extra(self._extra, issue.replacements), extra=True)
             for index in issue.batches:
                 await self._publish(feed.batch(index), extra=False)
-            with contextlib.suppress(TimeoutError):
-                timeout = ENGINE_POLL_S if issue.waiting_for_engines else None
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            with contextlib.suppress(TimeoutError):  # a look at the stop flag now and then
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
 
-    async def _plan(self) -> Issue:
-        """The pacing rule applied now; the router is asked only when the trainer allows more."""
-        staleness, steps = self.spec.algorithm.max_staleness, self.spec.trainer.steps
-        version = self.latest_version
-        more = batch_limit(version, version, max_staleness=staleness, steps=steps) > self._batches
+    def _plan(self) -> Issue:
+        """The pacing rule (pacing.py) applied now."""
         return plan_issue(
             issued_batches=self._batches,
             issued_extra=self._extra,
             dropped=self._dropped,
-            trainer_version=version,
-            served_version=await self._served_version() if more else None,
-            max_staleness=staleness,
-            steps=steps,
+            trainer_version=self.latest_version,
+            max_staleness=self.spec.algorithm.max_staleness,
+            steps=self.spec.trainer.steps,
         )
 
     async def _served_version(self) -> int | None:
@@ -436,8 +428,7 @@ class JobDriver:
             log.warning("%s: router ListEngines failed: %s: %s", self.job_id, err.code().name, err.details())
             return None
         versions = [engine.policy_version for engine in reply.engines if engine.job_id == self.job_id]
-        self._served = min(versions) if versions else None
-        return self._served
+        return min(versions) if versions else None
 
     async def _publish(self, tasks: list[common_pb2.PromptTask], *, extra: bool) -> None:
         """Prompts and the new issued counts, in one MULTI."""
@@ -452,6 +443,11 @@ class JobDriver:
         )
         self._batches, self._extra = batches, extras
         self.deps.metrics.prompts_issued.inc(len(tasks))
+        if not extra and self._version_at > 0:  # a batch that the newest version let out
+            lag = {"issue_lag_s": max(0.0, time.time() - self._version_at)}
+            await self.deps.bus.publish_metric(
+                self.job_id, "controller", lag, step=self.latest_version, policy_version=self.latest_version
+            )
         log.info("%s: issued %s at version %d", self.job_id, what, self.latest_version)
 
     async def _run_evals(self) -> None:

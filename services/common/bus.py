@@ -142,6 +142,19 @@ class Bus:
             raise TypeError(f"newest entry of {stream} is not a {message_type.DESCRIPTOR.full_name}")
         return message_type.FromString(fields[DATA_FIELD])
 
+    async def wait_newer(self, stream: str, after_id: str, *, block_ms: int) -> str | None:
+        """Wait at most ``block_ms`` for an entry newer than ``after_id`` (``"$"``: newer than
+        the newest now), without a consumer group; the first such entry's id, or None."""
+        if not 0 < block_ms <= self.block_limit_ms:
+            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        reply = await self.redis.xread({stream: after_id}, count=1, block=block_ms)
+        return reply[0][1][0][0].decode() if reply and reply[0][1] else None
+
+    async def newest_id(self, stream: str) -> str:
+        """The id of the stream's newest entry ("0-0" when it is empty or missing)."""
+        entries = await self.redis.xrevrange(stream, count=1)
+        return entries[0][0].decode() if entries else "0-0"
+
     # -- consuming -------------------------------------------------------
 
     async def ensure_group(self, stream: str, group: str, *, start_id: str = "0") -> bool:

@@ -34,6 +34,11 @@ class WrongJobError(RuntimeError):
     """Generate for a job other than the one whose weights the engine serves."""
 
 
+class StaleWeightsError(RuntimeError):
+    """Generate requires a newer version of its job's weights (min_policy_version) than the
+    engine served within the wait allowed."""
+
+
 class EngineUnavailableError(ConnectionError):
     """The backend cannot be reached or is failing (SGLang servers down, say); a retry may work."""
 

@@ -71,7 +71,9 @@ class EngineApp:
         self.loader = MeteredWeightLoader(engine, settings.weight_load_timeout_s, self.metrics)
         self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)
         self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
-        self.servicer = RolloutServicer(engine, self.loader, self.info, self.metrics)
+        self.servicer = RolloutServicer(
+            engine, self.loader, self.info, self.metrics, version_wait_s=settings.version_wait_s
+        )
 
     @property
     def engine_id(self) -> str:

@@ -19,6 +19,7 @@ from services.rollout.engine_protocol import (
     EngineStoppedError,
     GenerationRequest,
     NoWeightsError,
+    StaleWeightsError,
     WrongJobError,
 )
 from services.rollout.metrics import EngineMetrics
@@ -30,6 +31,7 @@ SERVICE_NAME = "verst.v1.Rollout"
 STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NoWeightsError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready yet: the caller may retry
     (WrongJobError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready for this job yet
+    (StaleWeightsError, grpc.StatusCode.FAILED_PRECONDITION),  # the version it needs is not loaded yet
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # bad input; CheckpointError is one too
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
@@ -155,15 +157,23 @@ class EngineInfoSource:
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Generate, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus over an Engine.
 
-    Generate answers FAILED_PRECONDITION before the first checkpoint, and when the request
-    names a job (job_id) other than the one whose weights are served. resume_offset is only
+    Generate answers FAILED_PRECONDITION before the first checkpoint, when the request
+    names a job (job_id) other than the one whose weights are served, and when it needs a newer
+    version (min_policy_version) than loads within ``version_wait_s``. resume_offset is only
     checked: the engine conditions on the whole prompt, and max_new_tokens counts new tokens.
     """
 
     def __init__(
-        self, engine: Engine, loader: WeightLoader, info: EngineInfoSource, metrics: EngineMetrics
+        self,
+        engine: Engine,
+        loader: WeightLoader,
+        info: EngineInfoSource,
+        metrics: EngineMetrics,
+        *,
+        version_wait_s: float = 10.0,
     ) -> None:
         self.engine = engine
+        self.version_wait_s = version_wait_s
         self.loader = loader
         self.info = info
         self.metrics = metrics
@@ -179,6 +189,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 f"resume_offset {request.resume_offset} is outside the prompt's "
                 f"{len(request.prompt_token_ids)} tokens"
             )
+        if request.min_policy_version > 0 and request.job_id:
+            version = request.min_policy_version
+            await self.loader.wait_for_version(request.job_id, version, self.version_wait_s)
         delivery = Delivery(asyncio.get_running_loop(), self.metrics)
         generation = GenerationRequest(
             request_id=request.request_id or f"req-{uuid.uuid4().hex}",

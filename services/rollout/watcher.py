@@ -24,7 +24,7 @@ from services.common.engine_registry import EngineRegistry
 from services.common.jobs import JobNotFoundError, JobStore
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.streams import JobStreams
-from services.rollout.engine_protocol import Engine, ServedWeights
+from services.rollout.engine_protocol import Engine, ServedWeights, StaleWeightsError
 from services.rollout.weights import CheckpointError, checkpoint_dir
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,28 @@ class WeightLoader:
         self._lock = asyncio.Lock()
         self.served: common_pb2.CheckpointHandle | None = None
         """The handle of the weights last loaded (None: the engine's own)."""
+        self._loaded = asyncio.Condition()
+        """Notified after every load: the requests waiting for a version look again."""
+
+    def serves(self, job_id: str, version: int) -> bool:
+        """Whether the engine serves ``job_id``'s weights at ``version`` or newer."""
+        status = self.engine.status()
+        return status.job_id == job_id and status.policy_version >= version
+
+    async def wait_for_version(self, job_id: str, version: int, timeout_s: float) -> None:
+        """Return once the engine serves ``job_id`` at ``version`` or newer (the watcher loads a
+        new handle as soon as it is published); StaleWeightsError after ``timeout_s``."""
+        if self.serves(job_id, version):
+            return
+        try:
+            async with self._loaded:
+                await asyncio.wait_for(self._loaded.wait_for(lambda: self.serves(job_id, version)), timeout_s)
+        except TimeoutError:
+            status = self.engine.status()
+            raise StaleWeightsError(
+                f"the request needs {job_id} v{version} or newer; the engine serves "
+                f"{status.job_id or 'no job'} v{status.policy_version} after waiting {timeout_s:.1f}s"
+            ) from None
 
     async def load(
         self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
@@ -91,6 +113,8 @@ class WeightLoader:
             )
             self.served = handle
             seconds = time.monotonic() - started
+        async with self._loaded:
+            self._loaded.notify_all()
         latency = None
         if handle.HasField("created_at") and handle.created_at.seconds:
             latency = time.time() - handle.created_at.ToNanoseconds() / 1e9
@@ -107,7 +131,9 @@ class WeightLoader:
 
 
 class WeightWatcher:
-    """Every ``poll_s``: find the newest running job and load its newest checkpoint if newer."""
+    """Loads the newest running job's newest checkpoint if it names other weights, as soon as it
+    is published (a blocking read of the job's checkpoints stream); every ``poll_s`` at least it
+    looks again which job is the newest running one."""
 
     def __init__(self, redis: aioredis.Redis, loader: WeightLoader, poll_s: float) -> None:
         self.redis = redis
@@ -119,12 +145,16 @@ class WeightWatcher:
         self._modes: dict[str, int] = {}
         """Each job's WeightUpdateMode, from its JobSpec (rollout.weight_update)."""
         self._last_error = ""
+        self._watched: tuple[str, str] | None = None
+        """(job, checkpoints-stream entry id) last looked at."""
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await self.check()
                 self._last_error = ""
+                await self._wait_for_handle(stop)
+                continue
             except (RedisError, OSError, TypeError, TimeoutError) as err:
                 if str(err) != self._last_error:  # log a persisting problem once
                     log.warning("weight watch failed: %s", err)
@@ -133,12 +163,26 @@ class WeightWatcher:
                 log.exception("weight watch failed unexpectedly")
             await sleep_or_stop(stop, self.poll_s)
 
+    async def _wait_for_handle(self, stop: asyncio.Event) -> None:
+        """Until the watched job publishes a handle after the one looked at (a blocking stream
+        read, so a new version is loaded as soon as it is published), or ``poll_s`` passes."""
+        if self._watched is None:
+            await sleep_or_stop(stop, self.poll_s)
+            return
+        job_id, seen = self._watched
+        if not stop.is_set():
+            await self.bus.wait_newer(JobStreams(job_id).checkpoints, seen, block_ms=int(self.poll_s * 1000))
+
     async def check(self) -> bool:
         """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""
         job_id = await newest_running_job(self.jobs)
         if job_id is None:
+            self._watched = None
             return False
-        handle = await self.bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
+        stream = JobStreams(job_id).checkpoints
+        # The id first: a handle published after it wakes the next wait at once.
+        self._watched = (job_id, await self.bus.newest_id(stream))
+        handle = await self.bus.latest(stream, common_pb2.CheckpointHandle)
         if handle is None:
             return False
         if not handle.job_id:

@@ -170,6 +170,7 @@ class Episode:
             sampling=sampling,
             session_id=group.session_id,  # the engine that holds the group's prefix
             job_id=group.job_id,
+            min_policy_version=group.min_policy_version,
         )
 
     async def _observe(self, calls: list[ToolCall]) -> list[int]:

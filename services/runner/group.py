@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -166,6 +167,8 @@ def group_request(task: common_pb2.PromptTask, stop: list[str] | None = None) ->
         sampling=sampling,
         session_id=task.group_id,
         job_id=task.job_id,
+        # the trainer's version when the task was issued: no older weights sample it
+        min_policy_version=task.policy_version,
     )
 
 
@@ -203,11 +206,17 @@ async def run_all(work: list[Awaitable[T]], name: str) -> list[T]:
 async def finish_group(
     task: common_pb2.PromptTask, samples: list[Sample], clients: GroupClients
 ) -> list[common_pb2.Trajectory]:
-    """Score the finished samples in one ScoreBatch and build their Trajectories."""
+    """Score the finished samples in one ScoreBatch and build their Trajectories (their stage
+    times: generated and scored; the runner adds the others)."""
+    generated = time.time()
     completions = [sample.completion for sample in samples]
     texts = [clients.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
     scores = await _score(task, samples, texts, clients)
-    return [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
+    stages = common_pb2.StageTimes(generated=generated, scored=time.time())
+    trajectories = [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
+    for trajectory in trajectories:
+        trajectory.stages.CopyFrom(stages)
+    return trajectories
 
 
 def resume_seed(seed: int, index: int, resume: int) -> int:
@@ -262,6 +271,7 @@ def _resume_request(
         session_id=first.session_id,  # the same engine likely holds the group's prefix
         job_id=first.job_id,
         resume_offset=len(first.prompt_token_ids),
+        min_policy_version=first.min_policy_version,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,17 @@ class JobLoop:
     tokenizer: Any = None
     tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One load of the tokenizer, however many tasks need it at once."""
+
+
+def stamp_stages(
+    trajectories: list[common_pb2.Trajectory], task: common_pb2.PromptTask, picked: float
+) -> None:
+    """Add the stages the runner sees to the trajectories' StageTimes (roll-outs add the rest)."""
+    issued = task.created_at.ToNanoseconds() / 1e9 if task.HasField("created_at") else 0.0
+    published = time.time()
+    for trajectory in trajectories:
+        stages = trajectory.stages
+        stages.issued, stages.picked, stages.published = issued, picked, published
 
 
 class Runner:
@@ -155,12 +167,14 @@ class Runner:
         """Roll out one task; publish its trajectories, then ack. Holds one slot."""
         task = delivery.message
         job_id = loop.record.job_id
+        picked = time.time()
         held = self._held.setdefault(delivery.stream, set())
         held.add(delivery.entry_id)
         try:
             check_task(task, job_id)
             roll_out = roll_out_episodes if task.max_turns > 1 else roll_out_group
             trajectories = await roll_out(task, await self._clients(loop))
+            stamp_stages(trajectories, task, picked)
             await self.bus.publish_many(JobStreams(job_id).trajectories, trajectories)
             await consumer.ack([delivery])
             log.debug("%s: %d trajectories", task.prompt_id, len(trajectories))

@@ -131,14 +131,14 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     if token_budget < 1:
         raise ValueError("token_budget must be >= 1")
     groups: list[list[int]] = []
-    room = numpy.zeros(len(lengths), dtype=numpy.int64)  # rows each group opened so far can still take
+    room: list[int] = []  # rows each group opened so far can still take
     for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
-        fits = numpy.flatnonzero(room[: len(groups)] > 0)
-        if fits.size:
-            groups[fits[0]].append(index)
-            room[fits[0]] -= 1
+        slot = next((g for g, free in enumerate(room) if free > 0), None)
+        if slot is not None:
+            groups[slot].append(index)
+            room[slot] -= 1
         else:  # its first member is its longest: it sets the group's width
-            room[len(groups)] = token_budget // max(lengths[index], 1) - 1
+            room.append(token_budget // max(lengths[index], 1) - 1)
             groups.append([index])
     return groups
 
@@ -149,15 +149,15 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     if width < 1:
         raise ValueError("width must be >= 1")
     rows: list[list[int]] = []
-    room = numpy.zeros(len(lengths), dtype=numpy.int64)  # free tokens of each row opened so far
+    room: list[int] = []  # free tokens of each row opened so far
     for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
         length = lengths[index]
-        fits = numpy.flatnonzero(room[: len(rows)] >= length)
-        if fits.size:
-            rows[fits[0]].append(index)
-            room[fits[0]] -= length
+        slot = next((r for r, free in enumerate(room) if free >= length), None)
+        if slot is not None:
+            rows[slot].append(index)
+            room[slot] -= length
         else:
-            room[len(rows)] = width - length
+            room.append(width - length)
             rows.append([index])
     return rows
 
@@ -255,34 +255,34 @@ def collate(
     packed = any(len(row) > 1 for row in layout)
     width = max(fills)
     shape = (len(layout), width)
-    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    attention_mask = torch.zeros(shape, dtype=torch.long)
+    # numpy buffers filled from the samples' lists, one tensor each at the end: far cheaper
+    # than a small tensor per sample and field for the many short samples of RL
+    input_ids = numpy.full(shape, pad_token_id, dtype=numpy.int64)
+    position_ids = numpy.zeros(shape, dtype=numpy.int64)
+    attention_mask = numpy.zeros(shape, dtype=numpy.int64)
     targets = (len(layout), max(width - 1, 0))
     per_token = {
-        name: torch.full(targets, 1.0 if name == "is_weights" else 0.0, dtype=torch.float32)
+        name: numpy.full(targets, 1.0 if name == "is_weights" else 0.0, dtype=numpy.float32)
         for name in PER_TOKEN_FIELDS
     }
-    mask = torch.zeros(targets, dtype=torch.bool)
+    mask = numpy.zeros(targets, dtype=numpy.bool_)
     placements: dict[int, tuple[int, int]] = {}
     for row, members in enumerate(layout):
         column = 0
         for index in members:
             sample, end = samples[index], column + samples[index].length
             placements[index] = (row, column)
-            input_ids[row, column:end] = torch.tensor(
-                [*sample.prompt_token_ids, *sample.response_token_ids], dtype=torch.long
-            )
-            position_ids[row, column:end] = torch.arange(sample.length)
+            input_ids[row, column:end] = [*sample.prompt_token_ids, *sample.response_token_ids]
+            position_ids[row, column:end] = numpy.arange(sample.length)
             attention_mask[row, column:end] = 1
             _place_targets(sample, token_weights[index] * sample.weight, (row, column), per_token, mask)
             column = end
-        position_ids[row, column:] = torch.arange(width - column)
-    on = {name: tensor.to(device) for name, tensor in per_token.items()}
+        position_ids[row, column:] = numpy.arange(width - column)
+    on = {name: torch.from_numpy(array).to(device) for name, array in per_token.items()}
     return MicroBatch(
-        input_ids=input_ids.to(device),
-        position_ids=position_ids.to(device),
-        attention_mask=None if packed else attention_mask.to(device),
+        input_ids=torch.from_numpy(input_ids).to(device),
+        position_ids=torch.from_numpy(position_ids).to(device),
+        attention_mask=None if packed else torch.from_numpy(attention_mask).to(device),
         placements=tuple(placements[i] for i in range(len(samples))),
         behaviour_logprobs=on["behaviour"],
         old_logprobs=on["old"],
@@ -291,8 +291,8 @@ def collate(
         returns=on["returns"],
         old_values=on["old_values"],
         is_weights=on["is_weights"],
-        mask=mask.to(device),
-        weights=(per_token["weights"] * mask).to(device),
+        mask=torch.from_numpy(mask).to(device),
+        weights=torch.from_numpy(per_token["weights"] * mask).to(device),
         tokens=sum(sample.length for sample in samples),
         padded_tokens=len(layout) * width,
     )
@@ -302,8 +302,8 @@ def _place_targets(
     sample: TrainSample,
     weight: float,
     at: tuple[int, int],
-    per_token: dict[str, torch.Tensor],
-    mask: torch.Tensor,
+    per_token: dict[str, numpy.ndarray],
+    mask: numpy.ndarray,
 ) -> None:
     """Write ``sample``'s per-response-token values (``weight`` its token weight) into the target
     columns of a sample placed ``at`` (row, column of its first token)."""
@@ -323,8 +323,8 @@ def _place_targets(
     }
     for name, value in values.items():
         if value is not None:
-            per_token[name][row, span] = torch.tensor(value, dtype=torch.float32)
-    mask[row, span] = torch.tensor(sample.loss_mask, dtype=torch.bool)
+            per_token[name][row, span] = value
+    mask[row, span] = sample.loss_mask
 
 
 def packing_works(model: Any, role: str) -> bool:
@@ -377,24 +377,25 @@ def per_response_token(
 def response_matrix(rows: Sequence[Sequence[float]], fill: float = 0.0) -> torch.Tensor:
     """Per-response-token lists as one ``[samples, longest]`` float64 tensor, padded with ``fill``."""
     width = max((len(row) for row in rows), default=0)
-    matrix = torch.full((len(rows), width), fill, dtype=torch.float64)
+    matrix = numpy.full((len(rows), width), fill, dtype=numpy.float64)
     for index, row in enumerate(rows):
-        matrix[index, : len(row)] = torch.tensor(list(row), dtype=torch.float64)
-    return matrix
+        matrix[index, : len(row)] = row
+    return torch.from_numpy(matrix)
 
 
 def response_mask(samples: Sequence[TrainSample]) -> torch.Tensor:
     """The loss mask of each sample's response tokens, ``[samples, longest]``, False past the end."""
     width = max((len(s.response_token_ids) for s in samples), default=0)
-    mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    mask = numpy.zeros((len(samples), width), dtype=numpy.bool_)
     for index, sample in enumerate(samples):
-        mask[index, : len(sample.loss_mask)] = torch.tensor(list(sample.loss_mask), dtype=torch.bool)
-    return mask
+        mask[index, : len(sample.loss_mask)] = sample.loss_mask
+    return torch.from_numpy(mask)
 
 
 def unpad(matrix: torch.Tensor, samples: Sequence[TrainSample]) -> list[list[float]]:
     """The rows of a ``[samples, longest]`` response tensor, each cut to its sample's length."""
-    return [matrix[i, : len(s.response_token_ids)].tolist() for i, s in enumerate(samples)]
+    rows = matrix.tolist()
+    return [rows[i][: len(s.response_token_ids)] for i, s in enumerate(samples)]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,14 @@ from services.trainer.policy import Policy, deepspeed_config, init_distributed
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
-from services.trainer.report import DropCounts, Progress, StepTimes, step_metric_values, tool_use_rate
+from services.trainer.report import (
+    DropCounts,
+    Progress,
+    StepTimes,
+    stage_metric_values,
+    step_metric_values,
+    tool_use_rate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +186,9 @@ class JobRun:
                 reclaim_idle_ms=self.settings.trajectory_reclaim_idle_ms,
             )
             while self.version < self.spec.trainer.steps:
+                waited = time.monotonic()
                 groups = await self._collect(consumer)
-                await self._train_step(consumer, groups)
+                await self._train_step(consumer, groups, time.monotonic() - waited)
                 self.control.check()
         except JobStopped as stop:
             if stop.kind is not StopKind.LOST:  # the job is still ours: keep what was trained
@@ -381,9 +389,12 @@ class JobRun:
             dropped = common_pb2.GroupsDropped(stale=stale, invalid=len(unusable.invalid))
             await self._report_drops(dropped)
 
-    async def _train_step(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
+    async def _train_step(
+        self, consumer: StreamConsumer[Trajectory], groups: list[Group], wait_s: float = 0.0
+    ) -> None:
         """Optimise on the groups, publish the weights, every few steps a durable checkpoint
-        (which acks what it covers), then report the step."""
+        (which acks what it covers), then report the step (``wait_s``: collecting the groups)."""
+        stages = stage_metric_values(groups, time.time())
         self._in_training = unique_deliveries(groups)
         async with self.model_lock:
             self._enter(trainer_pb2.TRAINER_STATE_TRAINING)
@@ -402,8 +413,10 @@ class JobRun:
             saved_at = time.monotonic() if saved is not None else published_at
         await asyncio.to_thread(self.store.prune)
         written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
-        times = StepTimes(optimised - started, published_at - optimised, saved_at - published_at, written)
-        await self._publish_metrics(stats, prepared, times, groups)
+        times = StepTimes(
+            optimised - started, published_at - optimised, saved_at - published_at, written, wait_s
+        )
+        await self._publish_metrics(stats, prepared, times, groups, stages)
 
     def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
         """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
@@ -411,7 +424,7 @@ class JobRun:
         members = [group.ordered() for group in groups]
         prepared = prepare(members, self.spec, self.version, self.policy, self.reference, self.critic)
         seed = self.spec.seed * 1_000_003 + self.version
-        return prepared, self.policy.optimise(prepared.samples, seed, self.critic)
+        return prepared, self.policy.optimise(prepared.samples, seed, self.critic, prepared.proximal)
 
     def _zero_variance(self, group: Group) -> bool:
         if not self.spec.algorithm.filter_zero_variance_groups:
@@ -419,9 +432,14 @@ class JobRun:
         return len({t.reward for t in group.trajectories.values()}) == 1
 
     async def _publish_metrics(
-        self, stats: StepStats, prepared: Prepared, times: StepTimes, groups: list[Group]
+        self,
+        stats: StepStats,
+        prepared: Prepared,
+        times: StepTimes,
+        groups: list[Group],
+        stages: dict[str, float],
     ) -> None:
-        values = step_metric_values(stats, prepared, times, self.drops)
+        values = step_metric_values(stats, prepared, times, self.drops) | stages
         if self.spec.rollout.max_turns > 1:
             values["tool_use_rate"] = tool_use_rate(groups)
         self.drops = DropCounts()

@@ -15,8 +15,10 @@ Entropy and KL are measured on every micro-batch (without a gradient when their
 coefficient is 0), so they are logged whatever the configuration. So is the
 engine/trainer mismatch, KL(behaviour || trainer), from the training forward's own
 logprobs: the first optimiser step's forward runs the weights the step began with,
-so it measures what the old-logprob forward would have (which the on-policy fast
-path skips).
+so it measures what the old-logprob forward would have. With one optimiser pass that
+forward is skipped altogether (``ProximalFromForward``): the training forward's logprobs,
+detached, are the old logprobs (the ratio is 1 in value, its gradient the policy
+gradient's), and the behaviour weights are computed from them here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from services.trainer.critic import CriticStats
 from services.trainer.losses import PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
     KL_ESTIMATORS,
+    OffPolicyCorrection,
     entropy_bonus,
     k3,
     kl_loss,
@@ -54,6 +57,15 @@ def optimiser_step_plan(count: int, epochs: int, mini_batches: int, seed: int) -
     return plan
 
 
+@dataclass(frozen=True, slots=True)
+class ProximalFromForward:
+    """The old logprobs are the training forward's own (one optimiser pass, prepare.py): the
+    behaviour weights come from them with this correction and cap."""
+
+    correction: OffPolicyCorrection
+    cap: float
+
+
 @dataclass(slots=True)
 class Totals:
     """Sums over the micro-batches of one optimiser step; means are token-weighted sums."""
@@ -67,6 +79,8 @@ class Totals:
     kl: float = 0.0
     entropy: float = 0.0
     mismatch_kl: float = 0.0
+    capped: float = 0.0
+    """Loss tokens whose behaviour weight was over its cap (ProximalFromForward only)."""
     loss_tokens: int = 0
     tokens: int = 0
     padded_tokens: int = 0
@@ -76,17 +90,35 @@ def _token_sum(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(torch.where(mask, values.detach().float(), 0.0).sum())
 
 
+def _ratio_inputs(
+    logprobs: torch.Tensor, batch: MicroBatch, proximal: ProximalFromForward | None, totals: Totals
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old logprobs and behaviour weights of the ratio: the batch's, or (``proximal``) those
+    of the training forward itself, counting the tokens over the cap in ``totals``."""
+    if proximal is None:
+        return batch.old_logprobs, batch.is_weights
+    old = logprobs.detach()
+    if not proximal.correction.reweights:
+        return old, torch.ones_like(old)
+    weighed = proximal.correction.fn(old, batch.behaviour_logprobs, batch.mask, proximal.cap)
+    totals.capped += weighed.capped_fraction * weighed.tokens
+    return old, weighed.weights
+
+
 def micro_batch_loss(
-    logits: torch.Tensor, batch: MicroBatch, algorithm: AlgorithmConfig, loss_fn: PolicyLossFn, totals: Totals
+    logits: torch.Tensor,
+    batch: MicroBatch,
+    algorithm: AlgorithmConfig,
+    loss_fn: PolicyLossFn,
+    totals: Totals,
+    proximal: ProximalFromForward | None = None,
 ) -> torch.Tensor:
     """The micro-batch's loss (to backpropagate); adds its statistics to ``totals``."""
     logprobs = token_logprobs(logits, batch.input_ids)
     mask = batch.mask
+    old, is_weights = _ratio_inputs(logprobs, batch, proximal, totals)
     policy = loss_fn(
-        PolicyLossInputs(
-            logprobs, batch.old_logprobs, batch.advantages, mask, batch.weights * batch.is_weights
-        ),
-        algorithm,
+        PolicyLossInputs(logprobs, old, batch.advantages, mask, batch.weights * is_weights), algorithm
     )
     loss = policy.loss
     with torch.no_grad():  # k3 with r = p_trainer / p_behaviour, on the tokens behaviour sampled
@@ -150,6 +182,9 @@ class StepStats:
     """k3 estimate of KL(behaviour || trainer) over the first optimiser step's tokens, from its
     forward (the weights before any update): the engine/trainer mismatch, plus the drift of the
     weights since stale tokens were sampled."""
+    importance_capped_fraction: float | None = None
+    """Share of loss tokens whose behaviour weight was over its cap, when the training forward
+    weighed them (ProximalFromForward); None when prepare.py did."""
 
     @property
     def padding_waste(self) -> float:
@@ -164,6 +199,8 @@ class StepStats:
                 "entropy", "grad_norm", "learning_rate", "optimizer_steps", "padding_waste", "mismatch_kl",
             )
         }  # fmt: skip
+        if self.importance_capped_fraction is not None:
+            values["importance_capped_fraction"] = self.importance_capped_fraction
         if self.critic_steps:
             values |= {
                 "value_loss": self.value_loss,
@@ -174,9 +211,13 @@ class StepStats:
 
 
 def combine(
-    steps: Sequence[tuple[Totals, float]], critic: Sequence[CriticStats], learning_rate: float
+    steps: Sequence[tuple[Totals, float]],
+    critic: Sequence[CriticStats],
+    learning_rate: float,
+    proximal: ProximalFromForward | None = None,
 ) -> StepStats:
-    """One StepStats from each optimiser step's totals and grad norm (and the critic's steps)."""
+    """One StepStats from each optimiser step's totals and grad norm (and the critic's steps);
+    ``proximal``: the training forward weighed the tokens."""
     if not steps:
         raise ValueError("no optimiser steps to combine")
     count = len(steps)
@@ -202,4 +243,5 @@ def combine(
         value_clip_fraction=sum(c.clip_fraction * c.tokens for c in critic) / critic_tokens,
         critic_grad_norm=sum(c.grad_norm for c in critic) / len(critic) if critic else 0.0,
         mismatch_kl=first.mismatch_kl / first.loss_tokens if first.loss_tokens else 0.0,
+        importance_capped_fraction=sum(t.capped for t, _ in steps) / tokens if proximal else None,
     )

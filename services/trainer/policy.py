@@ -37,7 +37,14 @@ from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE
 from services.trainer.critic import Critic
 from services.trainer.extension_locks import extension_build_guard
 from services.trainer.losses import POLICY_LOSSES, sample_token_weights
-from services.trainer.objective import StepStats, Totals, combine, micro_batch_loss, optimiser_step_plan
+from services.trainer.objective import (
+    ProximalFromForward,
+    StepStats,
+    Totals,
+    combine,
+    micro_batch_loss,
+    optimiser_step_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -306,13 +313,19 @@ class Policy:
             _restore_training_state(engine, training_state, zero_stage(trainer))
         return cls(engine, tokenizer, spec, packed)
 
-    def optimise(self, samples: Sequence[TrainSample], seed: int, critic: Critic | None = None) -> StepStats:
+    def optimise(
+        self,
+        samples: Sequence[TrainSample],
+        seed: int,
+        critic: Critic | None = None,
+        proximal: ProximalFromForward | None = None,
+    ) -> StepStats:
         """``ppo_epochs`` passes over the samples, each split into ``mini_batches`` optimiser steps
         (the critic, when given, steps on the same mini-batches).
 
         PPO's ratio is to each sample's ``old_logprobs``, fixed for all the steps: the
-        trainer's own from the start of the step (services/trainer/prepare.py sets them),
-        or the behaviour logprobs where a sample has none (prepare's on-policy fast path).
+        trainer's own from the start of the step (services/trainer/prepare.py sets them), or,
+        with ``proximal`` (one pass; prepare skipped that forward), the training forward's own.
         """
         if not samples:
             raise ValueError("no samples to optimise on")
@@ -321,12 +334,14 @@ class Policy:
         critic_steps = []
         for chunk in optimiser_step_plan(len(samples), trainer.ppo_epochs, trainer.mini_batches, seed):
             part = [samples[i] for i in chunk]
-            steps.append(self._optimiser_step(part))
+            steps.append(self._optimiser_step(part, proximal))
             if critic is not None:
                 critic_steps.append(critic.optimiser_step(part))
-        return combine(steps, critic_steps, float(self.engine.get_lr()[0]))
+        return combine(steps, critic_steps, float(self.engine.get_lr()[0]), proximal)
 
-    def _optimiser_step(self, samples: Sequence[TrainSample]) -> tuple[Totals, float]:
+    def _optimiser_step(
+        self, samples: Sequence[TrainSample], proximal: ProximalFromForward | None = None
+    ) -> tuple[Totals, float]:
         """One optimiser step over packed micro-batches; returns their totals and the grad norm."""
         algorithm = self.spec.algorithm
         weights = sample_token_weights(
@@ -344,7 +359,9 @@ class Policy:
             batch = collate_pack(samples, [w * scale for w in weights], pack, self.device)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
             logits = self.engine(**batch.model_inputs()).logits
-            loss = micro_batch_loss(logits, batch, algorithm, self.loss_fn, totals if real else Totals())
+            loss = micro_batch_loss(
+                logits, batch, algorithm, self.loss_fn, totals if real else Totals(), proximal
+            )
             self.engine.backward(loss * distributed.gradient_scale(), scale_wrt_gas=False)
         own_norm = self._gradient_norm() if self.zero_stage == 0 else None
         self.engine.step()

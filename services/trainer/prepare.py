@@ -4,16 +4,16 @@ For the groups of one step (blocking; run in a thread):
 
 1. old logprobs: the trainer's log p of every response token under the current
    weights (PPO's old policy, the proximal policy of decoupled PPO: the ratio's
-   denominator in every epoch). The on-policy fast path skips this forward: when
-   every token was sampled by the weights being trained (its policy version is the
-   trainer's) and there is one optimiser pass (``ppo_epochs`` and ``mini_batches``
-   1), the behaviour logprobs are the old logprobs (the torch engine's logprobs are
-   the trainer's for the same weights: tests/integration/test_engine.py checks it);
-   the first optimiser step's forward then measures the engine/trainer mismatch
-   (``objective.StepStats.mismatch_kl``). A correction that corrects the engine
-   itself (``corrects_engine``: TIS) always recomputes them;
+   denominator in every epoch). With one optimiser pass (``ppo_epochs`` and
+   ``mini_batches`` 1, and no ``kl_in_reward``, which needs them before the pass) the
+   training forward runs exactly these weights, so this forward is skipped: the
+   objective takes the old logprobs, and the behaviour weights of step 3, from the
+   training forward's own logprobs, detached (``objective.ProximalFromForward``), as TRL
+   does with one iteration; the same forward reports the engine/trainer mismatch
+   (``objective.StepStats.mismatch_kl``);
 2. reference logprobs (``kl_coef > 0``) and the critic's values (an estimator that ``needs_critic``);
-3. the behaviour importance weight of each token (``algorithm.off_policy_correction``,
+3. the behaviour importance weight of each token (here, unless step 1 left them to the
+   training forward) (``algorithm.off_policy_correction``,
    ``regularizers.OFF_POLICY_CORRECTIONS``): from r = p_old / p_behaviour, decoupled
    PPO's r where r <= behaviour_weight_cap (else 0), TIS's min(r, tis_cap), or none;
 4. advantages per token (``get_token_advantage``, for every estimator; the outcome
@@ -44,6 +44,7 @@ from services.trainer.advantages import (
 )
 from services.trainer.batching import TrainSample, response_mask, response_matrix, unpad
 from services.trainer.critic import Critic
+from services.trainer.objective import ProximalFromForward
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import (
     OFF_POLICY_CORRECTIONS,
@@ -76,13 +77,17 @@ class Prepared:
     forward was skipped. The step's metrics report it from the training forward (StepStats)."""
     importance_capped_fraction: float
     """Share of loss tokens whose behaviour weight was above its cap: truncated (TIS) or left out
-    (decoupled); 0 without a correction or on the fast path."""
-    old_logprobs_skipped: bool = False
-    """The on-policy fast path: the behaviour logprobs served as the old logprobs."""
+    (decoupled); 0 without a correction or when the training forward weighs the tokens."""
+    proximal: ProximalFromForward | None = None
+    """Set when the old-logprob forward was skipped: the training forward gives the old logprobs
+    and the behaviour weights this way (and reports the capped share)."""
+
+    @property
+    def old_logprobs_skipped(self) -> bool:
+        return self.proximal is not None
 
     def metrics(self) -> dict[str, float]:
         values = {
-            "importance_capped_fraction": self.importance_capped_fraction,
             "old_logprobs_skipped": float(self.old_logprobs_skipped),
             "stale_samples_dropped": float(self.stale_dropped),
             "stale_downweighted": float(self.stale_downweighted),
@@ -91,6 +96,8 @@ class Prepared:
         }
         for lag in range(HISTOGRAM_BUCKETS):
             values[f"staleness_lag_{lag}"] = float(self.lags.count(lag))
+        if not self.old_logprobs_skipped:  # else the training forward's StepStats has it
+            values["importance_capped_fraction"] = self.importance_capped_fraction
         values[f"staleness_lag_{HISTOGRAM_BUCKETS}_plus"] = float(
             sum(1 for lag in self.lags if lag >= HISTOGRAM_BUCKETS)
         )
@@ -148,27 +155,24 @@ def token_advantages(
     )
 
 
-def skips_old_logprobs(
-    groups: Sequence[Sequence[common_pb2.Trajectory]], spec: JobSpec, version: int
-) -> bool:
-    """The on-policy fast path: one optimiser pass, a correction that does not correct the engine,
-    and every response token sampled by version ``version`` (the weights being trained)."""
+def old_from_training_forward(spec: JobSpec) -> bool:
+    """Whether the training forward itself gives the old logprobs: one optimiser pass over the
+    batch (its first and only forward runs the weights the step began with), and no
+    ``kl_in_reward`` (whose rewards need the old logprobs before the pass)."""
     trainer = spec.trainer
-    if trainer.ppo_epochs != 1 or trainer.mini_batches != 1:
-        return False
-    if OFF_POLICY_CORRECTIONS.get(spec.algorithm.off_policy_correction).corrects_engine:
-        return False
-    return all(
-        len(t.policy_versions) == len(t.response_token_ids) and all(v == version for v in t.policy_versions)
-        for group in groups
-        for t in group
-    )
+    return trainer.ppo_epochs == 1 and trainer.mini_batches == 1 and not spec.algorithm.kl_in_reward
 
 
 def correction_cap(correction: OffPolicyCorrection, spec: JobSpec) -> float:
     """The cap of the correction's weights: its ``algorithm`` field, else its default."""
     cap = correction.cap_of(spec.algorithm)
     return correction.default_cap if cap is None else float(cap)
+
+
+def proximal_from_forward(spec: JobSpec) -> ProximalFromForward:
+    """How the training forward weighs the tokens when it gives the old logprobs."""
+    correction = OFF_POLICY_CORRECTIONS.get(spec.algorithm.off_policy_correction)
+    return ProximalFromForward(correction, correction_cap(correction, spec))
 
 
 def prepare(
@@ -178,8 +182,12 @@ def prepare(
     policy: LogprobSource,
     reference: ReferenceModel | None = None,
     critic: Critic | None = None,
+    *,
+    recompute_old: bool = False,
 ) -> Prepared:
-    """The step's samples with old logprobs, advantages and weights (see the module docstring)."""
+    """The step's samples with old logprobs, advantages and weights (see the module docstring);
+    ``recompute_old`` runs the old-logprob forward even where the training forward could
+    stand in for it (to compare the two)."""
     algorithm = spec.algorithm
     samples = base_samples(groups)
     if not samples:
@@ -190,15 +198,15 @@ def prepare(
         lags, algorithm.max_staleness, algorithm.stale_decay
     )
     mask = response_mask(samples)
-    skipped = skips_old_logprobs(groups, spec, version)
+    skipped = old_from_training_forward(spec) and not recompute_old
     behaviour = response_matrix([s.behaviour_logprobs for s in samples])
-    old = None if skipped else policy.response_logprobs(samples)  # None: the behaviour logprobs
-    old_m = behaviour if old is None else response_matrix(old)
+    old = None if skipped else policy.response_logprobs(samples)  # None: the training forward's
+    old_m = behaviour if old is None else response_matrix(old)  # read only by kl_in_reward then
     ref = reference.response_logprobs(samples) if reference is not None else None
     values = critic.values(samples) if critic is not None else None
     correction = OFF_POLICY_CORRECTIONS.get(algorithm.off_policy_correction)
     weights: ImportanceWeights | None = None
-    if not skipped:  # on the fast path every weight is p_behaviour / p_behaviour = 1
+    if not skipped:  # else the objective weighs each token from the training forward
         weights = correction.fn(old_m, behaviour, mask, correction_cap(correction, spec))
     estimated = token_advantages(spec, rewards, mask, old_m, ref, values)
     advantages = estimated.advantages
@@ -229,5 +237,5 @@ def prepare(
         stale_downweighted=staleness.downweighted,
         mismatch_kl=weights.mismatch_kl if weights is not None else None,
         importance_capped_fraction=weights.capped_fraction if weights is not None else 0.0,
-        old_logprobs_skipped=skipped,
+        proximal=proximal_from_forward(spec) if skipped else None,
     )

@@ -60,6 +60,8 @@ class StepTimes:
     checkpoint_s: float
     """The durable checkpoint and its acks (0 on steps without one)."""
     bytes_written: int
+    wait_s: float = 0.0
+    """Waiting for the step's groups (from the end of the previous step)."""
 
 
 def tool_use_rate(groups: Iterable[Group]) -> float:
@@ -84,9 +86,43 @@ def step_metric_values(
         "stale_groups_dropped": float(drops.stale_groups),
         "duplicates_skipped": float(drops.duplicates),
         "step_seconds": step_s,
+        "wait_seconds": times.wait_s,
+        "optimise_seconds": times.optimise_s,
         "publish_seconds": times.publish_s,
         "checkpoint_seconds": times.checkpoint_s,
         "saving_share": (times.publish_s + times.checkpoint_s) / step_s if step_s > 0 else 0.0,
         "bytes_written": float(times.bytes_written),
         "tokens_per_s": stats.tokens / times.optimise_s if times.optimise_s > 0 else 0.0,
     }
+
+
+STAGES: dict[str, tuple[str, str]] = {
+    "stage_queue_s": ("issued", "picked"),
+    "stage_generate_s": ("picked", "generated"),
+    "stage_score_s": ("generated", "scored"),
+    "stage_publish_s": ("scored", "published"),
+}
+"""Per-stage metric -> the StageTimes fields it spans: the prompt waiting on its stream for a
+runner, the router and engine (resumes included), the reward service, building and
+publishing the trajectories."""
+
+
+def stage_metric_values(groups: Iterable[Group], trained_at: float) -> dict[str, float]:
+    """Mean seconds over the step's groups of each stage of the loop (``STAGES``), plus
+    ``stage_deliver_s``: from the runner's publish to this step's start (``trained_at``, Unix
+    seconds), which includes waiting for the step's other groups. The stamps come from several
+    processes' clocks: across hosts they are only as good as the hosts' clock sync."""
+    stamps = [next(iter(group.trajectories.values())).stages for group in groups if group.trajectories]
+    stamps = [
+        s
+        for s in stamps
+        if all(getattr(s, name) > 0 for name in common_pb2.StageTimes.DESCRIPTOR.fields_by_name)
+    ]
+    if not stamps:
+        return {}
+    values = {
+        metric: statistics.fmean(getattr(s, end) - getattr(s, start) for s in stamps)
+        for metric, (start, end) in STAGES.items()
+    }
+    values["stage_deliver_s"] = statistics.fmean(trained_at - s.published for s in stamps)
+    return values

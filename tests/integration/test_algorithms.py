@@ -124,8 +124,10 @@ def test_each_algorithm_raises_the_likelihood_of_rewarded_responses(name: str, m
         runs = []
         for step in range(4):  # each round: old logprobs, values and advantages afresh, then optimise
             prepared = prepare(groups, spec, step, policy, critic=critic)  # the v0 groups age a version
-            assert prepared.old_logprobs_skipped == (step == 0 and name != "ppo_gae")
-            runs.append(policy.optimise(prepared.samples, seed=step, critic=critic))
+            assert prepared.old_logprobs_skipped == (name != "ppo_gae")  # one pass: the forward's own
+            runs.append(
+                policy.optimise(prepared.samples, seed=step, critic=critic, proximal=prepared.proximal)
+            )
         after = mean_logprobs(policy, groups)
     finally:
         policy.close()
@@ -163,7 +165,8 @@ def test_the_kl_term_pulls_the_policy_toward_the_reference(model_dir: Path, tmp_
     try:
         before = kl_to_reference()
         for step in range(5):  # the groups were sampled at v0; the policy is at v<step>
-            stats = policy.optimise(prepare(groups, spec, step, policy, reference).samples, seed=step)
+            prepared = prepare(groups, spec, step, policy, reference)
+            stats = policy.optimise(prepared.samples, seed=step, proximal=prepared.proximal)
             assert stats.kl > 0 and stats.kl_loss > 0 and stats.policy_loss == 0.0
         after = kl_to_reference()
     finally:
@@ -183,11 +186,13 @@ def shifted_groups(model: Path, factor: float, version: int) -> list[list[Trajec
     return groups
 
 
-def first_step(spec: JobSpec, model: Path, groups: list[list[Trajectory]], version: int) -> tuple[Any, Any]:
+def first_step(
+    spec: JobSpec, model: Path, groups: list[list[Trajectory]], version: int, *, recompute_old: bool = False
+) -> tuple[Any, Any]:
     policy = load_policy(spec, model)
     try:
-        prepared = prepare(groups, spec, version, policy)
-        return prepared, policy.optimise(prepared.samples, seed=0)
+        prepared = prepare(groups, spec, version, policy, recompute_old=recompute_old)
+        return prepared, policy.optimise(prepared.samples, seed=0, proximal=prepared.proximal)
     finally:
         policy.close()
 
@@ -205,19 +210,26 @@ def test_behaviour_importance_weights_scale_the_policy_gradient(model_dir: Path)
     }.items():
         algorithm = {"max_staleness": 1, **settings}
         spec = spec_of(model_dir, algorithm, zero_stage=0, max_grad_norm=None)
-        prepared, stats = first_step(spec, model_dir, groups, version=1)
-        norms[correction] = stats.grad_norm
-        assert not prepared.old_logprobs_skipped  # the tokens are stale
-        assert prepared.mismatch_kl == pytest.approx(0.25 - 1 - math.log(0.25), abs=1e-4)
-        assert stats.mismatch_kl == pytest.approx(prepared.mismatch_kl, abs=1e-4)
-        assert prepared.importance_capped_fraction == (1.0 if correction == "tis" else 0.0)
-    assert norms["tis"] == pytest.approx(norms["none"] * 0.2, rel=1e-4)
-    assert norms["decoupled"] == pytest.approx(norms["none"] * 0.25, rel=1e-4)
+        for recompute in (True, False):  # the old-logprob forward, or the training forward's own
+            prepared, stats = first_step(spec, model_dir, groups, version=1, recompute_old=recompute)
+            norms[correction, recompute] = stats.grad_norm
+            assert prepared.old_logprobs_skipped == (not recompute)
+            capped = 1.0 if correction == "tis" else 0.0
+            assert stats.mismatch_kl == pytest.approx(0.25 - 1 - math.log(0.25), abs=1e-4)
+            if recompute:
+                assert prepared.mismatch_kl == pytest.approx(stats.mismatch_kl, abs=1e-4)
+                assert prepared.importance_capped_fraction == capped
+            else:
+                assert stats.importance_capped_fraction == (capped if correction != "none" else 0.0)
+    for recompute in (True, False):
+        assert norms["tis", recompute] == pytest.approx(norms["none", True] * 0.2, rel=1e-4)
+        assert norms["decoupled", recompute] == pytest.approx(norms["none", True] * 0.25, rel=1e-4)
+        assert norms["none", recompute] == pytest.approx(norms["none", True], rel=1e-4)
 
 
-def test_the_on_policy_fast_path_measures_the_mismatch_in_the_training_forward(model_dir: Path) -> None:  # noqa: F811
-    """Fresh tokens and one optimiser pass: no old-logprob forward; the behaviour logprobs are the old
-    ones, so an engine off by 4x shows in the mismatch the training forward measures."""
+def test_the_one_pass_path_measures_the_mismatch_in_the_training_forward(model_dir: Path) -> None:  # noqa: F811
+    """Fresh tokens and one optimiser pass: no old-logprob forward; an engine off by 4x shows in the
+    mismatch the training forward measures."""
     spec = spec_of(model_dir, {}, zero_stage=0, max_grad_norm=None)
     prepared, stats = first_step(spec, model_dir, shifted_groups(model_dir, 4.0, version=0), version=0)
     assert prepared.old_logprobs_skipped and prepared.mismatch_kl is None

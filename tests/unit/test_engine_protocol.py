@@ -1,5 +1,6 @@
 """Both backends are Engines, and the one servicer maps every engine exception to one status."""
 
+import asyncio
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from services.rollout.engine_protocol import (
     GenerationRequest,
     NoWeightsError,
     ServedWeights,
+    StaleWeightsError,
     WrongJobError,
 )
 from services.rollout.metrics import EngineMetrics
@@ -188,6 +190,7 @@ async def test_an_error_the_table_does_not_name_is_not_turned_into_a_status() ->
 GENERATE_ERRORS = [
     (NoWeightsError("no weights loaded"), grpc.StatusCode.FAILED_PRECONDITION),
     (WrongJobError("engine serves job 'a', not 'b'"), grpc.StatusCode.FAILED_PRECONDITION),
+    (StaleWeightsError("the request needs job v3 or newer"), grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError("prompt_token_ids is empty"), grpc.StatusCode.INVALID_ARGUMENT),
     (EngineStoppedError("engine is shutting down"), grpc.StatusCode.UNAVAILABLE),
     (EngineUnavailableError("SGLang http://s/generate: HTTP 500"), grpc.StatusCode.UNAVAILABLE),
@@ -232,3 +235,55 @@ def test_every_status_in_the_table_is_tested() -> None:
     for kind, _ in STATUS_CODES:
         assert any(type(error) is kind or type(error).__mro__[1] is kind for error in tested), kind
     assert all(status_code(error) == code for error, code in LOAD_ERRORS + GENERATE_ERRORS)
+
+
+class VersionedEngine(FailingEngine):
+    """Serves "job" at ``version``; a load serves the handle's version."""
+
+    def __init__(self) -> None:
+        super().__init__(AssertionError("not expected"))
+        self.version = 1
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(common_pb2.ENGINE_STATE_SERVING, self.version, "job", "", 0, 0, 0)
+
+    async def load_weights(
+        self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
+    ) -> ServedWeights:
+        self.version = version
+        return ServedWeights(version=version, job_id=job_id, path=path, mode=mode)
+
+
+async def test_a_request_waits_for_the_version_it_needs_until_it_loads(tmp_path: Path) -> None:
+    (tmp_path / WEIGHTS_FILE).write_bytes(b"w")
+    (tmp_path / CONFIG_FILE).write_text("{}")
+    engine = VersionedEngine()
+    loader = WeightLoader(engine, 5.0)
+    await loader.wait_for_version("job", 1, timeout_s=0.01)  # served already: no wait
+    waiting = asyncio.create_task(loader.wait_for_version("job", 2, timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    handle = common_pb2.CheckpointHandle(job_id="job", version=2, uri=tmp_path.as_uri(), sha256="ab")
+    await loader.load(handle, rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
+    await asyncio.wait_for(waiting, 1.0)  # woken by the load, long before its deadline
+    with pytest.raises(StaleWeightsError, match="needs job v3 or newer; the engine serves job v2"):
+        await loader.wait_for_version("job", 3, timeout_s=0.05)
+    with pytest.raises(StaleWeightsError, match="needs other v1"):
+        await loader.wait_for_version("other", 1, timeout_s=0.05)
+
+
+async def test_generate_for_a_version_not_loaded_in_time_is_failed_precondition() -> None:
+    engine = VersionedEngine()
+    info = EngineInfoSource(engine, "engine-1", "node:1")
+    servicer = RolloutServicer(
+        engine, WeightLoader(engine, 5.0), info, EngineMetrics(engine.status), version_wait_s=0.05
+    )
+    request = rollout_pb2.GenerateRequest(
+        prompt_token_ids=[1],
+        job_id="job",
+        min_policy_version=4,
+        sampling=common_pb2.SamplingParams(max_new_tokens=1),
+    )
+    with pytest.raises(Aborted) as failed:
+        await servicer.Generate(request, FakeContext())
+    assert failed.value.code == grpc.StatusCode.FAILED_PRECONDITION and "needs job v4" in failed.value.details

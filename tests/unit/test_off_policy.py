@@ -1,7 +1,7 @@
 """Off-policy training: decoupled PPO against a reference written from its formula, its equality
-with plain PPO on on-policy tokens, and the on-policy fast path of a step's preparation (the
-old-logprob forward skipped exactly when it may be, with the loss and gradients unchanged and the
-mismatch measured by the training forward)."""
+with plain PPO on on-policy tokens, and the one-pass path of a step's preparation (the
+old-logprob forward skipped exactly when it may be, the training forward giving the same loss,
+gradients and behaviour weights, and measuring the mismatch)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.common.config import AlgorithmConfig, JobSpecError, parse_job_spec
 from services.trainer.batching import collate, token_logprobs
 from services.trainer.losses import POLICY_LOSSES, PolicyLossInputs, ppo_clip
 from services.trainer.objective import Totals, combine, micro_batch_loss
-from services.trainer.prepare import prepare, skips_old_logprobs
+from services.trainer.prepare import old_from_training_forward, prepare, proximal_from_forward
 from services.trainer.regularizers import (
     OFF_POLICY_CORRECTIONS,
     TIS_DEFAULT_CAP,
@@ -151,67 +151,96 @@ def step_spec(**sections: Any) -> Any:
     return parse_job_spec({"algorithm": {"group_size": 2, **sections.pop("algorithm", {})}, **sections})
 
 
-def test_the_fast_path_skips_the_old_logprob_forward_only_when_it_may() -> None:
+def test_one_pass_skips_the_old_logprob_forward_whatever_the_tokens_versions() -> None:
     behaviour = [[-1.0, -2.0]] * 4
-    source = CountingLogprobs(behaviour)
-    fast = prepare(fresh_groups(), step_spec(), 4, source)
-    assert source.calls == 0 and fast.old_logprobs_skipped and fast.metrics()["old_logprobs_skipped"] == 1
-    assert all(s.old_logprobs is None and s.is_weights is None for s in fast.samples)  # behaviour's, 1
-    assert fast.mismatch_kl is None and fast.importance_capped_fraction == 0.0
     one_stale = fresh_groups()
     one_stale[1][0].policy_versions[1] = 3  # one token of one sample, one version old
     no_versions = fresh_groups()
-    del no_versions[0][1].policy_versions[:]  # unknown versions are not taken for fresh ones
-    slow_cases = [
+    del no_versions[0][1].policy_versions[:]
+    for groups, spec in [
+        (fresh_groups(), step_spec()),
         (one_stale, step_spec()),
         (no_versions, step_spec()),
-        (fresh_groups(), step_spec(trainer={"ppo_epochs": 2})),
-        (fresh_groups(), step_spec(trainer={"mini_batches": 2})),
-        (fresh_groups(), step_spec(algorithm={"tis_cap": 2.0})),  # TIS corrects the engine itself
-    ]
-    for groups, spec in slow_cases:
+        (fresh_groups(), step_spec(algorithm={"tis_cap": 2.0})),
+        (fresh_groups(), step_spec(algorithm={"off_policy_correction": "none"})),
+    ]:
         source = CountingLogprobs(behaviour)
-        assert not skips_old_logprobs(groups, spec, 4)
-        slow = prepare(groups, spec, 4, source)
+        fast = prepare(groups, spec, 4, source)
+        assert source.calls == 0 and fast.old_logprobs_skipped and fast.metrics()["old_logprobs_skipped"] == 1
+        assert all(s.old_logprobs is None and s.is_weights is None for s in fast.samples)
+        assert fast.mismatch_kl is None and "importance_capped_fraction" not in fast.metrics()
+    for spec in (step_spec(trainer={"ppo_epochs": 2}), step_spec(trainer={"mini_batches": 2})):
+        source = CountingLogprobs(behaviour)
+        slow = prepare(fresh_groups(), spec, 4, source)
         assert source.calls == 1 and not slow.old_logprobs_skipped
         assert all(s.old_logprobs == [-1.0, -2.0] for s in slow.samples) and slow.mismatch_kl == 0.0
-    assert skips_old_logprobs(fresh_groups(), step_spec(algorithm={"off_policy_correction": "none"}), 4)
+    kl_in_reward = step_spec(algorithm={"kl_coef": 0.1, "kl_in_reward": True, "advantage": "reinforce_pp"})
+    assert not old_from_training_forward(kl_in_reward) and old_from_training_forward(step_spec())
+    forced = CountingLogprobs(behaviour)
+    assert not prepare(fresh_groups(), step_spec(), 4, forced, recompute_old=True).old_logprobs_skipped
+    assert forced.calls == 1
 
 
-def test_the_fast_path_gives_the_slow_paths_loss_and_gradients_and_measures_the_mismatch() -> None:
+@pytest.mark.parametrize("correction", ["decoupled", "tis", "none"])
+def test_the_training_forward_gives_the_recomputed_paths_loss_gradients_and_weights(correction: str) -> None:
+    """Stale tokens whose behaviour logprobs are off the trainer's by up to +-2.4 (some over the
+    cap): the loss, its gradient and the capped share are those of the old-logprob forward."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5, 99, generator=gen)
     ids = torch.randint(4, 99, (4, 5), generator=gen)
     ids[:, :3] = torch.tensor([1, 20, 21])  # every sample's prompt
     own = token_logprobs(logits, ids)[:, 2:]  # the response tokens' logprobs under these logits
+    behav = own + (torch.rand(own.shape, generator=gen) - 0.5) * 4.8
+    groups = [
+        [trajectory(f"g{g}", i, version=3, reward=float(i), response_token_ids=ids[2 * g + i, 3:].tolist(),
+                    behaviour_logprobs=behav[2 * g + i].tolist()) for i in range(2)]
+        for g in range(2)
+    ]  # fmt: skip
+    spec = step_spec(algorithm={"off_policy_correction": correction})
+    fast = prepare(groups, spec, 4, CountingLogprobs([]))
+    slow = prepare(groups, spec, 4, CountingLogprobs(own.tolist()), recompute_old=True)
+    assert fast.old_logprobs_skipped and not slow.old_logprobs_skipped
+    results = []
+    for prepared, proximal in ((fast, proximal_from_forward(spec)), (slow, None)):
+        leaf = logits.clone().requires_grad_(True)
+        batch = collate(prepared.samples, [1 / 8] * 4, "cpu")
+        totals = Totals()
+        loss = micro_batch_loss(
+            leaf, batch, spec.algorithm, POLICY_LOSSES.get("ppo_clip").fn, totals, proximal
+        )
+        loss.backward()
+        results.append((float(loss.detach()), leaf.grad, combine([(totals, 0.0)], [], 1e-4, proximal)))
+    (fast_loss, fast_grad, fast_stats), (slow_loss, slow_grad, _) = results
+    assert fast_loss == pytest.approx(slow_loss, abs=1e-6)
+    assert torch.allclose(fast_grad, slow_grad, atol=1e-6) and float(fast_grad.abs().sum()) > 0  # type: ignore[arg-type, union-attr]
+    assert fast_stats.importance_capped_fraction == pytest.approx(slow.importance_capped_fraction)
+    assert (slow.importance_capped_fraction > 0) == (correction != "none")  # the caps were crossed
+
+
+def test_the_training_forward_measures_the_engine_trainer_mismatch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 99, generator=gen)
+    ids = torch.randint(4, 99, (4, 5), generator=gen)
+    ids[:, :3] = torch.tensor([1, 20, 21])
+    own = token_logprobs(logits, ids)[:, 2:]
     groups = [
         [trajectory(f"g{g}", i, version=4, reward=float(i), response_token_ids=ids[2 * g + i, 3:].tolist(),
                     behaviour_logprobs=own[2 * g + i].tolist()) for i in range(2)]
         for g in range(2)
     ]  # fmt: skip
     fast = prepare(groups, step_spec(), 4, CountingLogprobs([]))
-    # The slow path, made to run by a second epoch; it recomputes the behaviour logprobs exactly.
-    slow = prepare(groups, step_spec(trainer={"ppo_epochs": 2}), 4, CountingLogprobs(own.tolist()))
-    assert fast.old_logprobs_skipped and not slow.old_logprobs_skipped
-    results = []
-    for prepared in (fast, slow):
-        leaf = logits.clone().requires_grad_(True)
-        batch = collate(prepared.samples, [1 / 8] * 4, "cpu")
-        algorithm = step_spec().algorithm
-        totals = Totals()
-        loss = micro_batch_loss(leaf, batch, algorithm, POLICY_LOSSES.get("ppo_clip").fn, totals)
-        loss.backward()
-        results.append((float(loss.detach()), leaf.grad, totals))
-    (fast_loss, fast_grad, fast_totals), (slow_loss, slow_grad, _) = results
-    assert fast_loss == pytest.approx(slow_loss, abs=1e-7)
-    assert torch.allclose(fast_grad, slow_grad, atol=1e-7) and float(fast_grad.abs().sum()) > 0  # type: ignore[arg-type, union-attr]
-    assert combine([(fast_totals, 0.0)], [], 1e-4).mismatch_kl == pytest.approx(0.0, abs=1e-6)
+    proximal = proximal_from_forward(step_spec())
+    totals = Totals()
+    micro_batch_loss(logits, collate(fast.samples, [1 / 8] * 4, "cpu"), step_spec().algorithm,
+                     POLICY_LOSSES.get("ppo_clip").fn, totals, proximal)  # fmt: skip
+    assert combine([(totals, 0.0)], [], 1e-4).mismatch_kl == pytest.approx(0.0, abs=1e-6)
     # An engine that sampled with p = 2 x the trainer's: the training forward measures the mismatch.
     shifted = [dataclasses.replace(s, behaviour_logprobs=[lp + math.log(2.0) for lp in s.behaviour_logprobs])
                for s in fast.samples]  # fmt: skip
     totals = Totals()
     batch = collate(shifted, [1 / 8] * 4, "cpu")
-    micro_batch_loss(logits, batch, step_spec().algorithm, POLICY_LOSSES.get("ppo_clip").fn, totals)
-    stats = combine([(totals, 0.0)], [], 1e-4)
+    micro_batch_loss(logits, batch, step_spec().algorithm, POLICY_LOSSES.get("ppo_clip").fn, totals,
+                     proximal)  # fmt: skip
+    stats = combine([(totals, 0.0)], [], 1e-4, proximal)
     assert stats.mismatch_kl == pytest.approx(0.5 - 1 - math.log(0.5), abs=1e-5)
     assert stats.metrics()["mismatch_kl"] == stats.mismatch_kl

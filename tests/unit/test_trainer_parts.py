@@ -278,19 +278,19 @@ def test_prepare_broadcasts_outcome_advantages_and_measures_the_mismatch() -> No
     groups = groups_of([[1.0, 0.0], [0.0, 0.0]], [[3, 3], [3, 3]])
     # behaviour logprobs are [-1, -2]; the trainer sees -1 + log 3 on the first token of sample 0.
     old = [[-1.0 + math.log(3.0), -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]]
-    prepared = prepare(groups, spec_with(tis_cap=2.0), 3, FixedLogprobs(old))
+    prepared = prepare(groups, spec_with(tis_cap=2.0), 3, FixedLogprobs(old), recompute_old=True)
     first = prepared.samples[0]
     assert first.advantage == pytest.approx([0.7071, 0.7071], abs=1e-3)  # grpo, broadcast
     assert first.old_logprobs == old[0] and first.is_weights == pytest.approx([2.0, 1.0])
     assert prepared.importance_capped_fraction == 1 / 8 and not prepared.old_logprobs_skipped
     assert prepared.mismatch_kl == pytest.approx((3 - 1 - math.log(3)) / 8)
     assert prepared.rewards == [1.0, 0.0, 0.0, 0.0] and prepared.lags == [0] * 4
-    # Tokens one version old: the old logprobs are recomputed whatever the correction.
+    # Tokens one version old, recomputed: the old logprobs are recomputed whatever the correction.
     stale = groups_of([[1.0, 0.0], [0.0, 0.0]], [[2, 2], [2, 2]])
-    off = prepare(stale, spec_with(off_policy_correction="none"), 3, FixedLogprobs(old))
+    off = prepare(stale, spec_with(off_policy_correction="none"), 3, FixedLogprobs(old), recompute_old=True)
     assert off.samples[0].is_weights is None and off.importance_capped_fraction == 0.0
     assert off.mismatch_kl == prepared.mismatch_kl  # measured without a correction too
-    decoupled = prepare(stale, spec_with(behaviour_weight_cap=2.5), 3, FixedLogprobs(old))
+    decoupled = prepare(stale, spec_with(behaviour_weight_cap=2.5), 3, FixedLogprobs(old), recompute_old=True)
     assert decoupled.samples[0].is_weights == pytest.approx([0.0, 1.0])  # 3 > 2.5: left out
     assert decoupled.importance_capped_fraction == 1 / 8
 

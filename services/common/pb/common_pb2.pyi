@@ -133,7 +133,7 @@ class PromptTask(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at")
+    __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at", "stages")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class Trajectory(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     prompt_id: str
@@ -188,7 +189,22 @@ class Trajectory(_message.Message):
     engine_id: str
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_turns: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., engine_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    stages: StageTimes
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_turns: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., engine_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stages: _Optional[_Union[StageTimes, _Mapping]] = ...) -> None: ...
+
+class StageTimes(_message.Message):
+    __slots__ = ("issued", "picked", "generated", "scored", "published")
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    PICKED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SCORED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    issued: float
+    picked: float
+    generated: float
+    scored: float
+    published: float
+    def __init__(self, issued: _Optional[float] = ..., picked: _Optional[float] = ..., generated: _Optional[float] = ..., scored: _Optional[float] = ..., published: _Optional[float] = ...) -> None: ...
 
 class CheckpointHandle(_message.Message):
     __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype")
