@@ -43,6 +43,7 @@ from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
 from services.trainer.report import DropCounts, Progress, StepTimes, step_metric_values, tool_use_rate
+from services.trainer.transport import WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class JobRun:
         control: JobControl,
         progress: Progress,
         device: torch.device,
+        transport: WeightTransport | None = None,
     ) -> None:
         self.bus = bus
         self.jobs = jobs
@@ -145,7 +147,7 @@ class JobRun:
         self.progress = progress
         self.device = device
         self.streams = JobStreams(job_id)
-        self.lineage = Lineage(bus, job_id, spec)
+        self.lineage = Lineage(bus, job_id, spec, transport)
         self.store = self.lineage.store
         self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.lineage.window)
         self.trajectories: StreamConsumer[Trajectory] | None = None
