@@ -39,7 +39,7 @@ class TrainerSettings(ServiceSettings):
     weight_transport: Literal["filesystem", "distributed"] = "filesystem"
     """How engines get each version: `filesystem` (the files on a shared volume) or `distributed`
     (also broadcast from rank 0 over a torch.distributed group; the files stay the fallback)."""
-    weight_transport_address: str = Field("", max_length=255, pattern=r"^[\w.:-]*$")
+    weight_transport_host: str = Field("", max_length=255, pattern=r"^[\w.:-]*$")
     """distributed: the host engines reach this trainer at (its TCPStore, gloo); empty: the hostname."""
     weight_transport_port: int = Field(0, ge=0, le=65535)
     """distributed: the TCPStore port the groups meet on; 0 picks a free one (named in each handle)."""

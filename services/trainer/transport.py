@@ -286,5 +286,5 @@ def open_transport(
     backend = settings.weight_transport_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    address = settings.weight_transport_address or socket.gethostname()
+    address = settings.weight_transport_host or socket.gethostname()
     return DistributedTransport(registry, settings, backend, address)
