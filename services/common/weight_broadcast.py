@@ -11,10 +11,10 @@ stream length, fingerprint), then the stream in buckets of ``bucket_bytes``. The
 own ranks use. Every wait, group formation included, ends by the round's deadline.
 
 The fingerprint is a checksum of the stream (Adler-like: the byte sum and the sum of bytes
-weighted by position mod 65521) and a digest of the tensor specs, computed with torch ops on
-the tensors' device, so it costs no copy to the host on either side. It catches a round that
-delivered other bytes (another version, a torn or misordered bucket); it is not a
-cryptographic hash: the file's sha256 still guards the filesystem handle.
+weighted by their position mod 256 x 65521, plus one) and a digest of the tensor specs,
+computed with torch ops on the tensors' device, so it costs no copy to the host on either
+side. It catches a round that delivered other bytes (another version, a torn or misordered
+bucket); it is not a cryptographic hash: the file's sha256 still guards the filesystem handle.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ ALIGN = 64
 """Every tensor starts at a multiple of this many bytes of the stream."""
 MAGIC = 0x76657273
 """The first word of a header ("vers")."""
+_ROW = 256
 _MOD = 65521
-_CHUNK = _MOD * 64
-"""Bytes checksummed at once (a multiple of the weight period): ~4 MB, 32 MB of int64 temporaries."""
+"""The checksum weighs byte i by (i mod _ROW * _MOD) + 1."""
+_CHUNK = _ROW * 65536
+"""Bytes checksummed at once (whole rows): 16 MB, 64 MB of float32 temporaries."""
 _HEADER_WORDS = 8
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -143,20 +145,28 @@ _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def checksum(stream: torch.Tensor) -> tuple[int, int]:
-    """(sum of bytes, sum of bytes x (position mod 65521 + 1)) of a uint8 stream, exact."""
+    """(sum of bytes, sum of bytes x (position mod 256 * 65521 + 1)) of a uint8 stream, exact.
+
+    The stream is read as rows of 256 bytes: one matmul against (1, k + 1) gives each row's
+    sum and in-row weighted sum (below 2^24, so exact in float32; float64 on CUDA, where TF32
+    may be on), and the rows' weights are added with int64 arithmetic on the row sums.
+    """
     device = stream.device
+    kind = torch.float64 if stream.is_cuda else torch.float32
     weights = _WEIGHTS.get(device)
     if weights is None:
-        weights = _WEIGHTS[device] = torch.arange(1, _MOD + 1, dtype=torch.int64, device=device)
+        in_row = torch.arange(1, _ROW + 1, dtype=kind, device=device)
+        weights = _WEIGHTS[device] = torch.stack([torch.ones_like(in_row), in_row], dim=1)
     plain = weighted = 0
     for start in range(0, stream.numel(), _CHUNK):
-        chunk = stream[start : start + _CHUNK].to(torch.int64)
-        tail = (-chunk.numel()) % _MOD
+        chunk = stream[start : start + _CHUNK]
+        tail = (-chunk.numel()) % _ROW
         if tail:
             chunk = torch.cat([chunk, chunk.new_zeros(tail)])
-        rows = chunk.view(-1, _MOD)
-        plain += int(rows.sum())
-        weighted += int((rows * weights).sum())  # < 2^24 per byte, 2^46 per chunk: no overflow
+        sums = (chunk.view(-1, _ROW).to(kind) @ weights).to(torch.int64)
+        row = torch.arange(sums.shape[0], dtype=torch.int64, device=device) + start // _ROW
+        plain += int(sums[:, 0].sum())
+        weighted += int(sums[:, 1].sum()) + _ROW * int(((row % _MOD) * sums[:, 0]).sum())
     return plain % (1 << 62), weighted % (1 << 62)
 
 

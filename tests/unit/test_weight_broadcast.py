@@ -29,6 +29,7 @@ from services.common.weight_broadcast import (
     Header,
     Layout,
     buckets,
+    checksum,
     fingerprint,
     open_group,
     pack,
@@ -77,6 +78,16 @@ def test_pack_and_unpack_round_trip_through_buckets_of_any_size() -> None:
         for start, stop in cut:
             rebuilt[start:stop] = stream[start:stop]
         assert_same(unpack(rebuilt, layout), state)
+
+
+@pytest.mark.parametrize("length", [64, 64 * 1001, (1 << 24) + 64 * 3])
+def test_the_checksum_is_its_definition(length: int) -> None:
+    """The byte sum and the sum of bytes x (position mod 256 x 65521 + 1), across chunks and rows."""
+    generator = torch.Generator().manual_seed(length)
+    stream = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=generator)
+    values = stream.to(torch.int64)
+    weights = torch.arange(length, dtype=torch.int64) % (256 * 65521) + 1
+    assert checksum(stream) == (int(values.sum()), int((values * weights).sum()))
 
 
 def test_the_fingerprint_changes_with_any_byte_order_or_spec() -> None:
