@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 CheckpointHandle = common_pb2.CheckpointHandle
 DISTRIBUTED = "distributed"
 """What an engine lists in EngineInfo.weight_transports when it can receive broadcasts."""
+_IDLE_WAIT_S = 1.0
+"""The idle sending thread looks at its stop flag at least this often."""
+_CLOSE_TIMEOUT_S = 5.0
+"""Longest wait at close for the sending thread to end."""
 
 
 class WeightTransport(Protocol):
@@ -182,12 +186,13 @@ class DistributedTransport:
                 self._thread.start()
 
     def close(self) -> None:
+        """Stop broadcasting: a round in flight fails at once (the group is aborted)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(self.deadline_s + 5.0)
         self._close_group()
+        if self._thread.is_alive():
+            self._thread.join(_CLOSE_TIMEOUT_S)
         self._store = None
 
     # -- membership ----------------------------------------------------------------------
@@ -228,7 +233,7 @@ class DistributedTransport:
         while True:
             with self._cond:
                 while self._pending is None and not self._closing:
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_WAIT_S)
                 if self._closing:
                     return
                 prepared, self._pending = self._pending, None
