@@ -5,6 +5,7 @@ skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -36,7 +37,10 @@ from services.common.weight_broadcast import (
     send_round,
     unpack,
 )
-from services.rollout.transport import BroadcastReceiver
+from services.rollout.config import EngineSettings
+from services.rollout.engine_protocol import ServedWeights
+from services.rollout.server import receiver_for
+from services.rollout.transport import BroadcastReceiver, serve_handle
 
 HOST = "127.0.0.1"
 
@@ -264,3 +268,76 @@ def test_skipped_rounds_are_drained_or_kept_for_the_next_handle(store: dist.TCPS
     assert_same(receiver.receive(handles[3]), states[3])
     group.close()
     receiver.leave()
+
+
+# -- the engine's choice between the group and the files -----------------------------------------
+
+
+class RecordingEngine:
+    """Serves whatever it is handed, and says how."""
+
+    receives_state_dicts = True
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def load_weights(self, path: Path, **fields: Any) -> ServedWeights:
+        self.calls.append("files")
+        return ServedWeights(fields["version"], fields["job_id"], path, fields["mode"])
+
+    async def load_state_dict(self, state: dict[str, torch.Tensor], **fields: Any) -> ServedWeights:
+        self.calls.append("state dict")
+        return ServedWeights(fields["version"], fields["job_id"], fields["path"], fields["mode"])
+
+
+def files_of(directory: Path) -> str:
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(b"")
+    (directory / "config.json").write_text("{}")
+    return directory.as_uri()
+
+
+async def test_an_unreachable_group_falls_back_to_the_files_and_says_why(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    handle = offer(store, ["engine-a"], sample_state(), deadline_s=1.0)
+    handle.uri = files_of(tmp_path / "v1")
+    engine = RecordingEngine()
+    delivered = await serve_handle(engine, BroadcastReceiver("engine-a", HOST), handle, 0, 5.0)  # type: ignore[arg-type]
+    assert engine.calls == ["files"] and delivered.transport == "filesystem"
+    assert "could not form group" in delivered.fallback
+
+
+async def test_a_group_copy_is_used_and_a_handle_without_one_is_no_fallback(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    state = sample_state()
+    handle = offer(store, ["engine-a"], state)
+    engine = RecordingEngine()
+    receiver = BroadcastReceiver("engine-a", HOST)
+    serving = asyncio.create_task(serve_handle(engine, receiver, handle, 0, 5.0))  # type: ignore[arg-type]
+    group = await asyncio.to_thread(sender_group, store, "g", 2)
+    await asyncio.to_thread(send, group, handle, state)
+    delivered = await serving
+    assert engine.calls == ["state dict"] and (delivered.transport, delivered.fallback) == ("distributed", "")
+    plain = common_pb2.CheckpointHandle(job_id="job", version=2, uri=files_of(tmp_path / "v2"))
+    delivered = await serve_handle(engine, receiver, plain, 0, 5.0)  # type: ignore[arg-type]
+    assert engine.calls[-1] == "files" and (delivered.transport, delivered.fallback) == ("filesystem", "")
+    other = offer(store, ["engine-b"], state, version=3)
+    other.uri = files_of(tmp_path / "v3")
+    delivered = await serve_handle(engine, receiver, other, 0, 5.0)  # type: ignore[arg-type]
+    assert delivered.transport == "filesystem" and "not in group" in delivered.fallback
+    group.close()
+    receiver.leave()
+
+
+def test_only_engines_that_take_state_dicts_and_allow_it_receive() -> None:
+    allowed, refused = (
+        EngineSettings(redis_url="redis://x"),
+        EngineSettings(redis_url="redis://x", weight_transport_distributed=False),
+    )
+    engine = RecordingEngine()
+    assert receiver_for(allowed, engine, "e") is not None  # type: ignore[arg-type]
+    assert receiver_for(refused, engine, "e") is None  # type: ignore[arg-type]
+    engine.receives_state_dicts = False  # the SGLang backend
+    assert receiver_for(allowed, engine, "e") is None  # type: ignore[arg-type]
