@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from redis.exceptions import RedisError
 from safetensors.torch import load_file
 
 from services.common.engine_registry import EngineRegistry
@@ -140,6 +141,16 @@ class DistributedTransport:
         self._thread = threading.Thread(target=self._run, name="weight-broadcast", daemon=True)
 
     async def announce(self, published: PublishedWeights) -> CheckpointHandle:
+        """The handle with a WeightsBroadcast for the job's engines; the plain one when none
+        would receive it, or when preparing the round failed (it never fails the step)."""
+        try:
+            return await self._announce(published)
+        except (RedisError, OSError, RuntimeError, ValueError) as err:
+            version = published.handle.version
+            log.warning("no weight broadcast of v%d: %s; the engines load its files", version, err)
+            return published.handle
+
+    async def _announce(self, published: PublishedWeights) -> CheckpointHandle:
         handle = published.handle
         members = await self._members(handle.job_id)
         if not members:
