@@ -121,16 +121,19 @@ class Stack:
         }
         base = {**thread_split(cfg.engines, os.cpu_count() or 1), **base}
         py = [sys.executable, "-m"]
+        trainer_port = str(cfg.trainer_port)
         children = [
             Child("reward", [*py, "services.reward"], {**base, "VERST_REWARD_PORT": str(cfg.reward_port)},
                   ("grpc", reward)),
-            Child("trainer", [*py, "services.trainer"], {**base, "VERST_TRAINER_PORT": str(cfg.trainer_port)},
+            Child("trainer", [*py, "services.trainer"],
+                  {"VERST_TRAINER_WEIGHT_TRANSPORT_HOST": host, **base, "VERST_TRAINER_PORT": trainer_port},
                   ("grpc", f"{host}:{cfg.trainer_port}")),
         ]  # fmt: skip
         for index in range(cfg.engines):
             port = cfg.engine_port if index == 0 else free_port(host)
             metrics_port = cfg.engine_metrics_port if index == 0 else free_port(host)
             env = {
+                "VERST_ENGINE_WEIGHT_TRANSPORT_HOST": host,  # the weight group's address, as the trainer's
                 **base,
                 "VERST_ENGINE_PORT": str(port),
                 "VERST_ENGINE_METRICS_PORT": str(metrics_port),

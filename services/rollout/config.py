@@ -57,6 +57,11 @@ class EngineSettings(ServiceSettings):
     """Serve /metrics (tokens/s, running requests, queue depth, TTFT, weight version)."""
     backend: str = Field("torch", pattern=r"^(torch|sglang)$")
     """Generation backend: torch (in this process) or sglang (SGLang servers over HTTP; CUDA hosts)."""
+    weight_transport_distributed: bool = True
+    """Take weights over the trainer's torch.distributed group when a handle offers it (torch
+    backend; the trainer's VERST_TRAINER_WEIGHT_TRANSPORT=distributed); false: always the files."""
+    weight_transport_host: str = Field("", max_length=255, pattern=r"^[\w.:-]*$")
+    """The address this engine's end of a weight group binds (gloo); empty: from the hostname."""
     sglang_urls: str = Field("", max_length=4000)
     """sglang: comma-separated base URLs of running SGLang servers to attach to; empty: launch one."""
     sglang_model_path: str = Field("", max_length=4096)

@@ -23,13 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.continuous import ContinuousBatch
-from services.rollout.decoder import freeze_long_lived_objects, unsupported_reason
+from services.rollout.decoder import unsupported_reason
 from services.rollout.engine_protocol import (
     NO_WEIGHTS,
     EngineStatus,
@@ -37,10 +36,10 @@ from services.rollout.engine_protocol import (
     FinishReason,
     GenerationRequest,
     NoWeightsError,
-    ServedWeights,
     check_job,
     engine_state,
 )
+from services.rollout.engine_weights import EngineWeights
 from services.rollout.requests import (
     LiveRequests,
     LoadedModel,
@@ -49,8 +48,7 @@ from services.rollout.requests import (
     record_tokens,
     validate_request,
 )
-from services.rollout.torch_backend import decode_batch, read_update, serial_torch
-from services.rollout.weights import CheckpointError, copy_into_model
+from services.rollout.torch_backend import decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ _IDLE_WAIT_S = 0.1
 """How long the idle worker sleeps between checks of its stop flag."""
 
 
-class TorchEngine:
+class TorchEngine(EngineWeights):
     """Batched generation on a worker thread; thread-safe entry points. An ``Engine``."""
 
     backend = "torch"
@@ -212,104 +210,6 @@ class TorchEngine:
                 queued_requests=len(queued_requests),
                 outstanding_tokens=outstanding,
             )
-
-    # -- weights -----------------------------------------------------------
-
-    async def load_weights(
-        self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
-    ) -> ServedWeights:
-        """``load_checkpoint`` off the event loop."""
-        update = await asyncio.to_thread(
-            self.load_checkpoint,
-            path,
-            sha256=sha256,
-            version=version,
-            job_id=job_id,
-            mode=mode,
-            timeout_s=timeout_s,
-        )
-        return ServedWeights(update.version, update.job_id, update.path, update.mode, update.aborted_requests)
-
-    def load_checkpoint(
-        self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
-    ) -> WeightUpdate:
-        """Verify and stage a checkpoint, then wait until the worker serves it (blocking).
-
-        Raises CheckpointError for a bad checkpoint, TimeoutError if the worker did not take
-        it within ``timeout_s``. Callers serialize loads.
-        """
-        if mode == rollout_pb2.WEIGHT_UPDATE_MODE_UNSPECIFIED:
-            mode = self.default_update_mode
-        update = WeightUpdate(version=version, job_id=job_id, path=path, mode=mode)
-        with self._cond:
-            self._loading += 1
-            current = self._loaded
-        try:
-            with serial_torch():  # off the worker: its team of OpenMP threads must stay the only one
-                read_update(update, sha256, current=current, device=self.device, dtype=self.dtype)
-            with self._cond:
-                if self._stopping:
-                    raise EngineStoppedError("engine is shutting down")
-                if self._pending is not None:
-                    raise RuntimeError("another weight load is in progress")
-                self._pending = update
-                self._cond.notify_all()
-            if not update.done.wait(timeout_s):
-                with self._cond:
-                    if self._pending is update:
-                        self._pending = None
-                        raise TimeoutError(f"the engine did not take weights v{version} within {timeout_s}s")
-                update.done.wait()  # the worker is applying it right now
-            if update.error is not None:
-                raise update.error
-            return update
-        finally:
-            with self._cond:
-                self._loading -= 1
-
-    def _take_update(self, live: list[Row]) -> WeightUpdate | None:
-        """The pending update if it may be applied now (called by the worker, between steps)."""
-        with self._cond:
-            update = self._pending
-            if update is None:
-                return None
-            unfinished = [row for row in live if row.finish is None]
-            if update.mode == rollout_pb2.WEIGHT_UPDATE_MODE_ABORT and unfinished:
-                requests = {row.request for row in unfinished}
-                self._abort_locked(requests)
-                update.aborted_requests += len(requests)
-                for row in unfinished:
-                    self._live.finish(row, common_pb2.FINISH_REASON_ABORT)
-                unfinished = []
-            if update.model is not None and unfinished:
-                return None  # a new architecture waits for the batch to end
-            self._pending = None
-            return update
-
-    def _apply(self, update: WeightUpdate) -> None:
-        """Install an update (worker thread only), then publish its version."""
-        try:
-            if update.model is not None:
-                new_model = update.model
-            else:
-                assert self._loaded is not None and update.state_dict is not None
-                copy_into_model(self._loaded.model, update.state_dict)
-                new_model = self._loaded
-        except Exception as err:  # whatever went wrong, the waiting caller hears of it
-            update.error = (
-                err if isinstance(err, CheckpointError) else CheckpointError(f"{type(err).__name__}: {err}")
-            )
-            update.done.set()
-            return
-        if update.model is not None:
-            freeze_long_lived_objects()  # a new model lives until the next one
-        with self._cond:
-            self._loaded = new_model
-            self._version = update.version
-            self._job_id = update.job_id
-            self._model_dir = str(update.path)
-        update.state_dict = None
-        update.done.set()
 
     # -- the worker ----------------------------------------------------------
 

@@ -9,13 +9,16 @@ Two backends implement it: ``engine.TorchEngine`` (in this process) and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.common.pb import common_pb2
 from services.rollout.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = int
 """A common_pb2.FinishReason value."""
@@ -150,6 +153,25 @@ class Engine(Protocol):
         self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
     ) -> ServedWeights:
         """Verify the checkpoint directory ``path`` against ``sha256`` and serve it."""
+        ...
+
+    receives_state_dicts: bool
+    """Whether ``load_state_dict`` can serve tensors received over a weight group."""
+
+    async def load_state_dict(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        path: Path,
+        version: int,
+        job_id: str,
+        mode: int,
+        timeout_s: float,
+    ) -> ServedWeights:
+        """Serve ``state`` (every tensor of checkpoint ``path``, fingerprint checked) as ``version``
+        of ``job_id``, copied into the model of that job served now. Raises CheckpointError
+        (no model of that job, other tensors than it has, or a backend that cannot),
+        TimeoutError or EngineStoppedError."""
         ...
 
     async def abort(self, request_ids: Sequence[str] = (), *, all_requests: bool = False) -> int:

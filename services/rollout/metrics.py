@@ -141,6 +141,17 @@ class EngineMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.weight_transport_loads = Counter(
+            "verst_engine_weight_transport_loads",
+            "Weights served, by how they came: filesystem (the handle's files) or distributed (a group).",
+            ["transport"],
+            registry=self.registry,
+        )
+        self.weight_transport_fallbacks = Counter(
+            "verst_engine_weight_transport_fallbacks",
+            "Handles offered over a weight group but served from their files (timeout, mismatch, ...).",
+            registry=self.registry,
+        )
 
     def completed(self, tokens: int, finish_reason: int) -> None:
         """One sample was handed to its caller (or dropped because the caller left)."""
@@ -165,6 +176,9 @@ class EngineMetrics:
             self.weight_loads.labels(outcome="failed").inc()
             raise
         self.weight_loads.labels(outcome="ok").inc()
+        self.weight_transport_loads.labels(transport=report.transport).inc()
+        if report.fallback:
+            self.weight_transport_fallbacks.inc()
         if report.latency_s is not None:
             # Below 0 only when the trainer's clock is ahead of ours; a histogram's sum must not fall.
             latency = max(0.0, report.latency_s)

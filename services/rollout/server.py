@@ -31,6 +31,7 @@ from services.rollout.metrics import EngineMetrics, serving_metrics
 from services.rollout.servicer import SERVICE_NAME, EngineInfoSource, RolloutServicer
 from services.rollout.sglang.engine import open_sglang_engine
 from services.rollout.torch_backend import DTYPES, resolve_device
+from services.rollout.transport import DISTRIBUTED, FILESYSTEM, BroadcastReceiver
 from services.rollout.watcher import Heartbeat, LoadReport, WeightLoader, WeightWatcher
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,10 @@ log = logging.getLogger(__name__)
 class MeteredWeightLoader(WeightLoader):
     """A WeightLoader whose loads (the watcher's and LoadWeights') are counted and timed."""
 
-    def __init__(self, engine: Engine, timeout_s: float, metrics: EngineMetrics) -> None:
-        super().__init__(engine, timeout_s)
+    def __init__(
+        self, engine: Engine, timeout_s: float, metrics: EngineMetrics, receiver: BroadcastReceiver | None
+    ) -> None:
+        super().__init__(engine, timeout_s, receiver)
         self.metrics = metrics
 
     async def load(
@@ -68,7 +71,9 @@ class EngineApp:
         engine_id = settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
         self.info = EngineInfoSource(engine, engine_id, advertised_address(settings))
         self.metrics = EngineMetrics(engine.status)
-        self.loader = MeteredWeightLoader(engine, settings.weight_load_timeout_s, self.metrics)
+        self.receiver = receiver_for(settings, engine, engine_id)
+        self.info.weight_transports = (FILESYSTEM, DISTRIBUTED) if self.receiver else (FILESYSTEM,)
+        self.loader = MeteredWeightLoader(engine, settings.weight_load_timeout_s, self.metrics, self.receiver)
         self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)
         self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
         self.servicer = RolloutServicer(
@@ -96,8 +101,17 @@ class EngineApp:
             await asyncio.wait([watching])
 
     async def close(self) -> None:
-        """Stop the engine (unfinished requests end as ABORT)."""
+        """Stop the engine (unfinished requests end as ABORT) and leave its weight group."""
         await self.engine.close()
+        if self.receiver is not None:
+            self.receiver.leave()
+
+
+def receiver_for(settings: EngineSettings, engine: Engine, engine_id: str) -> BroadcastReceiver | None:
+    """This engine's end of the trainer's weight groups, when it takes weights that way."""
+    if not (settings.weight_transport_distributed and engine.receives_state_dicts):
+        return None
+    return BroadcastReceiver(engine_id, settings.weight_transport_host)
 
 
 async def open_torch_engine(settings: EngineSettings) -> TorchEngine:

@@ -135,6 +135,8 @@ class EngineInfoSource:
         self.engine = engine
         self.engine_id = engine_id
         self.address = address
+        self.weight_transports: tuple[str, ...] = ("filesystem",)
+        """How it takes weights (EngineInfo.weight_transports): the trainer picks its group by it."""
 
     def __call__(self) -> common_pb2.EngineInfo:
         status = self.engine.status()
@@ -149,6 +151,7 @@ class EngineInfoSource:
             queued_requests=status.queued_requests,
             outstanding_tokens=status.outstanding_tokens,
             job_id=status.job_id,
+            weight_transports=self.weight_transports,
         )
         info.last_heartbeat.GetCurrentTime()
         return info

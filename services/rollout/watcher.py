@@ -25,7 +25,8 @@ from services.common.jobs import JobNotFoundError, JobStore
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.streams import JobStreams
 from services.rollout.engine_protocol import Engine, ServedWeights, StaleWeightsError
-from services.rollout.weights import CheckpointError, checkpoint_dir
+from services.rollout.transport import FILESYSTEM, BroadcastReceiver, serve_handle
+from services.rollout.weights import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class LoadReport:
     """From the start of verification until the worker served the weights."""
     latency_s: float | None
     """From the handle's created_at until served (None when the handle has no time)."""
+    transport: str = FILESYSTEM
+    """How the weights came: ``filesystem`` (the handle's files) or ``distributed`` (a group)."""
+    fallback: str = ""
+    """Why the handle's broadcast was not used, when it offered one this engine could not take."""
 
 
 def weights_key(handle: common_pb2.CheckpointHandle) -> tuple[str, int, int, str]:
@@ -66,9 +71,11 @@ def weights_key(handle: common_pb2.CheckpointHandle) -> tuple[str, int, int, str
 class WeightLoader:
     """Loads checkpoints into the engine one at a time (watcher and LoadWeights share it)."""
 
-    def __init__(self, engine: Engine, timeout_s: float) -> None:
+    def __init__(self, engine: Engine, timeout_s: float, receiver: BroadcastReceiver | None = None) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
+        self.receiver = receiver
+        """Takes weights over the trainer's group when a handle offers them (None: files only)."""
         self._lock = asyncio.Lock()
         self.served: common_pb2.CheckpointHandle | None = None
         """The handle of the weights last loaded (None: the engine's own)."""
@@ -102,15 +109,9 @@ class WeightLoader:
         by the backend), TimeoutError, EngineStoppedError, or ConnectionError (backend unreachable)."""
         async with self._lock:
             started = time.monotonic()
-            path = checkpoint_dir(handle.uri)
-            update = await self.engine.load_weights(
-                path,
-                sha256=handle.sha256,
-                version=handle.version,
-                job_id=handle.job_id,
-                mode=mode,
-                timeout_s=timeout_s or self.timeout_s,
-            )
+            timeout_s = timeout_s or self.timeout_s
+            delivered = await serve_handle(self.engine, self.receiver, handle, mode, timeout_s)
+            update = delivered.update
             self.served = handle
             seconds = time.monotonic() - started
         async with self._loaded:
@@ -119,15 +120,18 @@ class WeightLoader:
         if handle.HasField("created_at") and handle.created_at.seconds:
             latency = time.time() - handle.created_at.ToNanoseconds() / 1e9
         log.info(
-            "serving %s v%d from %s: loaded in %.3fs, %s after its handle was published (%d aborted)",
+            "serving %s v%d from %s over %s%s: loaded in %.3fs, %s after its handle was published "
+            "(%d aborted)",
             handle.job_id,
             handle.version,
-            path,
+            update.path,
+            delivered.transport,
+            f" (fallback: {delivered.fallback})" if delivered.fallback else "",
             seconds,
             "?" if latency is None else f"{latency:.3f}s",
             update.aborted_requests,
         )
-        return LoadReport(update, seconds, latency)
+        return LoadReport(update, seconds, latency, delivered.transport, delivered.fallback)
 
 
 class WeightWatcher:

@@ -20,7 +20,17 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_dir(uri: str) -> Path:
-    """The local directory named by a ``file:///abs/dir`` uri (or a plain absolute path)."""
+    """The local directory named by a ``file:///abs/dir`` uri (or a plain absolute path), with
+    its weights and config."""
+    path = uri_path(uri)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name}")
+    return path
+
+
+def uri_path(uri: str) -> Path:
+    """The absolute local path of a ``file:///abs/dir`` uri (or a plain absolute path)."""
     parsed = urlparse(uri)
     if parsed.scheme not in ("file", ""):
         raise CheckpointError(f"unsupported checkpoint uri scheme {parsed.scheme!r} in {uri!r}: use file://")
@@ -29,9 +39,6 @@ def checkpoint_dir(uri: str) -> Path:
     path = Path(unquote(parsed.path))
     if not path.is_absolute():
         raise CheckpointError(f"checkpoint uri {uri!r} is not an absolute path")
-    for name in (WEIGHTS_FILE, CONFIG_FILE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} has no {name}")
     return path
 
 

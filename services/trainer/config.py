@@ -36,6 +36,21 @@ class TrainerSettings(ServiceSettings):
     distributed_timeout_s: float = Field(600.0, ge=10.0, le=86_400.0)
     """Deadline of one collective operation between trainer ranks (under torchrun): a rank that
     waits longer for the others fails; an idle rank 0 pings the others every quarter of it."""
+    weight_transport: Literal["filesystem", "distributed"] = "filesystem"
+    """How engines get each version: `filesystem` (the files on a shared volume) or `distributed`
+    (also broadcast from rank 0 over a torch.distributed group; the files stay the fallback)."""
+    weight_transport_host: str = Field("", max_length=255, pattern=r"^[\w.:-]*$")
+    """distributed: the host engines reach this trainer at (its TCPStore, gloo); empty: the hostname."""
+    weight_transport_port: int = Field(0, ge=0, le=65535)
+    """distributed: the TCPStore port the groups meet on; 0 picks a free one (named in each handle)."""
+    weight_transport_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """distributed: the group's backend; `auto` is nccl when training on CUDA, else gloo."""
+    weight_transport_deadline_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """distributed: longest a round may take on either side, forming the group included."""
+    weight_transport_bucket_bytes: int = Field(64 << 20, ge=4096, le=1 << 34)
+    """distributed: bytes of one broadcast call (the tensors laid end to end, cut into buckets)."""
+    weight_transport_engine_ttl_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """distributed: an engine is a member while its registry heartbeat is younger than this."""
 
     @field_validator("keepalive_s")
     @classmethod

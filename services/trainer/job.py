@@ -50,6 +50,7 @@ from services.trainer.report import (
     step_metric_values,
     tool_use_rate,
 )
+from services.trainer.transport import WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class JobRun:
         control: JobControl,
         progress: Progress,
         device: torch.device,
+        transport: WeightTransport | None = None,
     ) -> None:
         self.bus = bus
         self.jobs = jobs
@@ -152,7 +154,7 @@ class JobRun:
         self.progress = progress
         self.device = device
         self.streams = JobStreams(job_id)
-        self.lineage = Lineage(bus, job_id, spec)
+        self.lineage = Lineage(bus, job_id, spec, transport)
         self.store = self.lineage.store
         self.collector = GroupCollector(job_id, spec.algorithm.group_size, self.lineage.window)
         self.trajectories: StreamConsumer[Trajectory] | None = None

@@ -24,6 +24,7 @@ from services.common.pb import common_pb2
 from services.common.streams import JobStreams
 from services.trainer.checkpoints import CheckpointStore, PublishedWeights, SavedCheckpoint
 from services.trainer.collector import Group, TrainedWindow
+from services.trainer.transport import FilesystemTransport, WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,12 @@ def entry_order(entry_id: str) -> tuple[int, int]:
 class Lineage:
     """Publishes, checkpoints and acks for one JobRun (blocking writes run in threads)."""
 
-    def __init__(self, bus: Bus, job_id: str, spec: JobSpec) -> None:
+    def __init__(
+        self, bus: Bus, job_id: str, spec: JobSpec, transport: WeightTransport | None = None
+    ) -> None:
         trainer = spec.trainer
         self.bus = bus
+        self.transport = transport or FilesystemTransport()
         self.streams = JobStreams(job_id)
         self.store = CheckpointStore(Path(trainer.checkpoint_dir), job_id, trainer.keep_checkpoints)
         self.spec = spec
@@ -95,7 +99,10 @@ class Lineage:
         published = await asyncio.to_thread(
             self.store.publish_weights, version, self.epoch, dtype, write, like
         )
-        self._last_entry = await self.bus.publish(self.streams.checkpoints, published.handle)
+        # A first version is a new model for the engines: only its files will do.
+        announced = await self.transport.announce(published) if like is not None else published.handle
+        self._last_entry = await self.bus.publish(self.streams.checkpoints, announced)
+        self.transport.deliver(announced)
         self.published = published
         return published
 

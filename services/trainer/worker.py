@@ -15,12 +15,14 @@ from redis.exceptions import RedisError
 
 from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer, consumer_name
+from services.common.engine_registry import EngineRegistry
 from services.common.jobs import JobStore, decode_submission
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, JobStreams
 from services.trainer.config import TrainerSettings
 from services.trainer.job import JOB_GROUP, JobControl, JobRun, JobStopped, StopKind
 from services.trainer.report import Progress
+from services.trainer.transport import open_transport
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class TrainerWorker:
         self.device = device
         self.name = settings.trainer_id or consumer_name("trainer")
         self.progress = Progress(trainer_id=self.name)
+        self.transport = open_transport(settings, EngineRegistry(bus.redis), device)
+        """How engines get the weights of every job this trainer trains."""
         self.current: JobRun | None = None
         self.last_checkpoint: common_pb2.CheckpointHandle | None = None
         self._job_done = asyncio.Event()
@@ -59,16 +63,22 @@ class TrainerWorker:
         )
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
-        log.info("trainer %s waiting for jobs on %s (device %s)", self.name, JOBS, self.device)
-        while not shutdown.is_set():
-            try:
-                deliveries = await consumer.poll()
-            except RedisError as err:
-                log.warning("reading %s failed, retrying: %s", JOBS, err)
-                await asyncio.sleep(1.0)
-                continue
-            for delivery in deliveries:
-                await self._run_job(consumer, delivery, shutdown)
+        log.info(
+            "trainer %s waiting for jobs on %s (device %s, weights by %s)",
+            *(self.name, JOBS, self.device, self.transport.name),
+        )
+        try:
+            while not shutdown.is_set():
+                try:
+                    deliveries = await consumer.poll()
+                except RedisError as err:
+                    log.warning("reading %s failed, retrying: %s", JOBS, err)
+                    await asyncio.sleep(1.0)
+                    continue
+                for delivery in deliveries:
+                    await self._run_job(consumer, delivery, shutdown)
+        finally:
+            await asyncio.to_thread(self.transport.close)
 
     async def _run_job(
         self,
@@ -100,6 +110,7 @@ class TrainerWorker:
                 control=JobControl(shutdown),
                 progress=self.progress,
                 device=self.device,
+                transport=self.transport,
             )
             await self.current.run()
             await self._finish(consumer, delivery, common_pb2.JOB_STATE_SUCCEEDED, "")

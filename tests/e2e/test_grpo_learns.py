@@ -65,13 +65,25 @@ def trained_ids(checkpoint_dir: Path, job_id: str) -> list[list[str]]:
     return [json.loads(path.read_text())["ids"] for path in paths]
 
 
-def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
+def weight_loads(metrics_url: str) -> dict[str, float]:
+    """engine-0's weight loads by transport, from its /metrics."""
+    loads: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("verst_engine_weight_transport_loads_total{"):
+            labels, _, value = line.partition("} ")
+            loads[labels.partition('transport="')[2].rstrip('"')] = float(value)
+    return loads
+
+
+@pytest.mark.parametrize("transport", ["filesystem", "distributed"])
+def test_grpo_job_learns_end_to_end(tmp_path: Path, transport: str) -> None:
     from services.tasks import resolve_model_path
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     checkpoints = tmp_path / "runs"
     config = StackConfig(log_dir=tmp_path / "logs", api_port=0, router_port=0, engine_port=0,
-                         reward_port=0, trainer_port=0, runner_port=0, engine_metrics_port=0)  # fmt: skip
+                         reward_port=0, trainer_port=0, runner_port=0, engine_metrics_port=0,
+                         extra_env={"VERST_TRAINER_WEIGHT_TRANSPORT": transport})  # fmt: skip
     with Stack(config) as stack:
         response = httpx.post(f"{stack.api_url}/v1/jobs", json=short_job(checkpoints), timeout=30)
         assert response.status_code == 201, response.text
@@ -79,8 +91,15 @@ def test_grpo_job_learns_end_to_end(tmp_path: Path) -> None:
         job = wait_for_end(stack.api_url, job_id, stack)
         history = job_history(stack.api_url, job_id)
         trajectories = published_trajectories(stack.redis_url, job_id)
+        loads = weight_loads(f"http://{config.host}:{stack.config.engine_metrics_port}/metrics")
 
     assert job["state"] == "JOB_STATE_SUCCEEDED", job
+    # v0 is a new model (files); a distributed deployment broadcasts the versions after it.
+    assert loads.get("filesystem", 0) >= 1, loads
+    if transport == "distributed":
+        assert loads.get("distributed", 0) >= 4, loads
+    else:
+        assert loads.get("distributed", 0) == 0, loads
     assert job["policy_version"] == 8
 
     # Engines served more than one policy version during the job.

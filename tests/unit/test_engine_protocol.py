@@ -2,7 +2,7 @@
 
 import asyncio
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -54,7 +54,7 @@ def signature_problems(cls: type) -> list[str]:
 
 def test_the_protocol_names_what_the_servicer_uses() -> None:
     assert MEMBERS == [
-        "abort", "cancel", "close", "describe", "load_weights", "pause", "resume",
+        "abort", "cancel", "close", "describe", "load_state_dict", "load_weights", "pause", "resume",
         "set_draining", "status", "submit",
     ]  # fmt: skip
 
@@ -95,6 +95,7 @@ class FailingEngine:
     """An Engine whose every call raises ``error`` (submit at once, or through on_error)."""
 
     backend = "fake"
+    receives_state_dicts = False
 
     def __init__(self, error: Exception, *, later: bool = False) -> None:
         self.error = error
@@ -118,6 +119,18 @@ class FailingEngine:
 
     async def load_weights(
         self, path: Path, *, sha256: str, version: int, job_id: str, mode: int, timeout_s: float
+    ) -> ServedWeights:
+        raise self.error
+
+    async def load_state_dict(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        path: Path,
+        version: int,
+        job_id: str,
+        mode: int,
+        timeout_s: float,
     ) -> ServedWeights:
         raise self.error
 

@@ -207,7 +207,7 @@ class StageTimes(_message.Message):
     def __init__(self, issued: _Optional[float] = ..., picked: _Optional[float] = ..., generated: _Optional[float] = ..., scored: _Optional[float] = ..., published: _Optional[float] = ...) -> None: ...
 
 class CheckpointHandle(_message.Message):
-    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype")
+    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype", "broadcast")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class CheckpointHandle(_message.Message):
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
     uri: str
@@ -230,7 +231,42 @@ class CheckpointHandle(_message.Message):
     durable: bool
     epoch: int
     dtype: str
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., durable: _Optional[bool] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    broadcast: WeightsBroadcast
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., durable: _Optional[bool] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., broadcast: _Optional[_Union[WeightsBroadcast, _Mapping]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WeightsBroadcast(_message.Message):
+    __slots__ = ("group_name", "master_address", "master_port", "world_size", "engine_ids", "backend", "tensors", "bucket_bytes", "deadline_s", "fingerprint")
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    master_address: str
+    master_port: int
+    world_size: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    bucket_bytes: int
+    deadline_s: float
+    fingerprint: str
+    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)
@@ -332,7 +368,7 @@ class DeadLetter(_message.Message):
     def __init__(self, source_stream: _Optional[str] = ..., entry_id: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., delivery_count: _Optional[int] = ..., dead_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id")
+    __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id", "weight_transports")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +380,7 @@ class EngineInfo(_message.Message):
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     backend: str
@@ -355,4 +392,5 @@ class EngineInfo(_message.Message):
     outstanding_tokens: int
     last_heartbeat: _timestamp_pb2.Timestamp
     job_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[EngineState, str]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    weight_transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[EngineState, str]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ...) -> None: ...

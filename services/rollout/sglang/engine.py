@@ -13,10 +13,10 @@ import contextlib
 import logging
 import shlex
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.config import EngineSettings
@@ -35,6 +35,9 @@ from services.rollout.engine_protocol import (
 from services.rollout.sglang.backend import SGLangBackend, Timeouts
 from services.rollout.sglang.protocol import SGLangError, SGLangHTTPError, SGLangWeightsError
 from services.rollout.weights import CheckpointError, verify_weights
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +227,21 @@ class SGLangEngine:
             self.loading -= 1
         self.job_id, self.model_dir = job_id, str(path)
         return ServedWeights(version, job_id, path, mode, aborted_requests=aborted)
+
+    receives_state_dicts = False
+
+    async def load_state_dict(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        path: Path,
+        version: int,
+        job_id: str,
+        mode: int,
+        timeout_s: float,
+    ) -> ServedWeights:
+        """Not mapped (SGLang's /update_weights_from_distributed would be): files only."""
+        raise CheckpointError("the sglang backend loads weights from their files only")
 
     # -- lifecycle -------------------------------------------------------------------
 
