@@ -29,7 +29,7 @@ class EngineSettings(ServiceSettings):
     """Most samples decoded together in one batch."""
     batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0)
     """Longest wait for a batch to fill once a request is queued."""
-    weight_poll_s: float = Field(1.0, gt=0.0, le=20.0)
+    weight_poll_s: float = Field(1.0, gt=0.0, le=60.0)
     """Longest wait for a new checkpoint handle (a blocking read) before the watcher looks again
     which job is the newest running one; a new handle is loaded as soon as it is published."""
     version_wait_s: float = Field(10.0, gt=0.0, le=600.0)

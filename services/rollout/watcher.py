@@ -175,7 +175,8 @@ class WeightWatcher:
             return
         job_id, seen = self._watched
         if not stop.is_set():
-            await self.bus.wait_newer(JobStreams(job_id).checkpoints, seen, block_ms=int(self.poll_s * 1000))
+            block_ms = min(int(self.poll_s * 1000), self.bus.block_limit_ms)
+            await self.bus.wait_newer(JobStreams(job_id).checkpoints, seen, block_ms=block_ms)
 
     async def check(self) -> bool:
         """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""

@@ -35,7 +35,7 @@ from services.trainer.critic import CriticStats
 from services.trainer.losses import PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
     KL_ESTIMATORS,
-    OffPolicyCorrection,
+    OFF_POLICY_CORRECTIONS,
     entropy_bonus,
     k3,
     kl_loss,
@@ -60,9 +60,11 @@ def optimiser_step_plan(count: int, epochs: int, mini_batches: int, seed: int) -
 @dataclass(frozen=True, slots=True)
 class ProximalFromForward:
     """The old logprobs are the training forward's own (one optimiser pass, prepare.py): the
-    behaviour weights come from them with this correction and cap."""
+    behaviour weights come from them with this correction (by name: the other trainer ranks
+    receive it pickled) and cap."""
 
-    correction: OffPolicyCorrection
+    correction: str
+    """An ``OFF_POLICY_CORRECTIONS`` name."""
     cap: float
 
 
@@ -98,9 +100,10 @@ def _ratio_inputs(
     if proximal is None:
         return batch.old_logprobs, batch.is_weights
     old = logprobs.detach()
-    if not proximal.correction.reweights:
+    correction = OFF_POLICY_CORRECTIONS.get(proximal.correction)
+    if not correction.reweights:
         return old, torch.ones_like(old)
-    weighed = proximal.correction.fn(old, batch.behaviour_logprobs, batch.mask, proximal.cap)
+    weighed = correction.fn(old, batch.behaviour_logprobs, batch.mask, proximal.cap)
     totals.capped += weighed.capped_fraction * weighed.tokens
     return old, weighed.weights
 

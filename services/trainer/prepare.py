@@ -172,7 +172,7 @@ def correction_cap(correction: OffPolicyCorrection, spec: JobSpec) -> float:
 def proximal_from_forward(spec: JobSpec) -> ProximalFromForward:
     """How the training forward weighs the tokens when it gives the old logprobs."""
     correction = OFF_POLICY_CORRECTIONS.get(spec.algorithm.off_policy_correction)
-    return ProximalFromForward(correction, correction_cap(correction, spec))
+    return ProximalFromForward(correction.name, correction_cap(correction, spec))
 
 
 def prepare(

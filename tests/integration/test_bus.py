@@ -216,6 +216,23 @@ async def test_latest_reads_the_newest_message_without_a_group(bus: Bus) -> None
         await bus.latest(stream, common_pb2.Metric)
 
 
+async def test_wait_newer_returns_at_once_for_an_entry_after_the_one_seen(bus: Bus) -> None:
+    stream = STREAMS.checkpoints
+    assert await bus.newest_id(stream) == "0-0"
+    assert await bus.wait_newer(stream, "0-0", block_ms=50) is None  # nothing, after its deadline
+    first = await bus.publish(stream, common_pb2.CheckpointHandle(version=1))
+    assert await bus.newest_id(stream) == first
+    assert await bus.wait_newer(stream, "0-0", block_ms=50) == first  # already there: no wait
+    waiting = asyncio.create_task(bus.wait_newer(stream, first, block_ms=5000))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    started = time.monotonic()
+    second = await bus.publish(stream, common_pb2.CheckpointHandle(version=2))
+    assert await asyncio.wait_for(waiting, 2.0) == second and time.monotonic() - started < 1.0
+    with pytest.raises(ValueError, match="block_ms"):
+        await bus.wait_newer(stream, first, block_ms=0)
+
+
 async def test_reclaim_follows_the_cursor_past_live_entries(bus: Bus) -> None:
     """Idle entries far down the pending list are found, not only the first ones scanned."""
     stream = STREAMS.trajectories

@@ -190,17 +190,20 @@ async def test_paced_prompts_evals_and_success(
     assert first.sampling.temperature == pytest.approx(0.9) and first.split == common_pb2.SPLIT_TRAIN
     assert [p.prompt_id.split(":", 1)[1] for p in prompts] == ["0:0", "0:1", "1:0", "1:1"]
 
-    # Batch 2 waits for version 1 from the trainer *and* from the engines.
+    # Batch 2 goes out as soon as the trainer publishes version 1, whatever the engines serve:
+    # it names version 1 as the oldest that may sample it (the engines wait for it themselves).
     await trainer.publish_version(1)
-    assert len(await trainer.wait_for_prompts(4)) == 4, "the engines still serve version 0"
-    fake_router.version = 1
-    assert len(await trainer.wait_for_prompts(6)) == 6
+    prompts = await trainer.wait_for_prompts(6)
+    assert len(prompts) == 6 and [p.policy_version for p in prompts[4:]] == [1, 1]
+    assert fake_router.version == 0, "issued while the engines still serve version 0"
     for version, issued in ((2, 8), (3, 8)):
         fake_router.version = version
         await trainer.publish_version(version)
         prompts = await trainer.wait_for_prompts(issued)
         assert len(prompts) == issued, f"at version {version}: never more than max_staleness ahead"
         assert prompts[-1].policy_version == min(version, 2)
+    await asyncio.sleep(0.3)
+    assert len(await trainer.prompts()) == 8, "trainer.steps batches in all"
     await trainer.bus.publish(
         trainer.streams.metrics,
         common_pb2.Metric(job_id=trainer.job_id, step=3, source="trainer", values={"loss": 0.125}),

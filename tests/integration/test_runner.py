@@ -46,6 +46,8 @@ async def test_one_trajectory_per_sample_with_engine_data_and_reward(
     fake_router.version = 3
     job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
     task = job.task(0, "47+85=", "231")
+    task.policy_version = 2
+    task.created_at.GetCurrentTime()
     await bus.publish(job.streams.prompts, task)
     await runner_for(router_address=router_address, reward_address=reward[1])
 
@@ -67,7 +69,12 @@ async def test_one_trajectory_per_sample_with_engine_data_and_reward(
         assert t.reward == (1.0 if i % 2 == 0 else 0.0) and t.reward_error == ""
         assert dict(t.reward_components) == {"correct": t.reward}
         assert t.finish_reason == common_pb2.FINISH_REASON_STOP and t.engine_id == ENGINE_ID
+        stages = t.stages  # the controller's stamp, then the runner's, in the loop's order
+        issued = task.created_at.ToNanoseconds() / 1e9
+        assert stages.issued == pytest.approx(issued)
+        assert issued <= stages.picked <= stages.generated <= stages.scored <= stages.published
     [request] = fake_router.requests
+    assert request.min_policy_version == 2, "no weights older than the task's version sample it"
     assert (request.request_id, request.session_id, request.job_id) == (
         task.prompt_id,
         task.group_id,
@@ -281,6 +288,7 @@ async def test_aborted_samples_are_resumed_from_their_partial_tokens(
     job = await running_job(bus, JobStore(bus.redis), tokenizer, tokenizer_dir)
     task = job.task(0, "47+85=", "231")
     task.sampling.seed = 11
+    task.policy_version = 3
     await bus.publish(job.streams.prompts, task)
     await runner_for(router_address=router_address, reward_address=reward[1])
 
@@ -295,6 +303,7 @@ async def test_aborted_samples_are_resumed_from_their_partial_tokens(
         assert t.metadata["resumes"] == "1"
     first, *resumes = fake_router.requests
     assert first.resume_offset == 0 and first.sampling.n == 4
+    assert {r.min_policy_version for r in fake_router.requests} == {3}, "resumes keep the task's bound"
     assert fake_router.max_in_flight == 4, "the four resumes ran concurrently"
     assert sorted(r.request_id for r in resumes) == [f"{task.prompt_id}:{i}:resume1" for i in range(4)]
     seeds = {r.request_id: r.sampling.seed for r in resumes}

@@ -244,3 +244,15 @@ def test_the_training_forward_measures_the_engine_trainer_mismatch() -> None:
     stats = combine([(totals, 0.0)], [], 1e-4, proximal)
     assert stats.mismatch_kl == pytest.approx(0.5 - 1 - math.log(0.5), abs=1e-5)
     assert stats.metrics()["mismatch_kl"] == stats.mismatch_kl
+
+
+def test_the_one_pass_setting_travels_to_the_other_trainer_ranks_pickled() -> None:
+    import pickle
+
+    for correction in ("decoupled", "tis", "none"):
+        prepared = prepare(fresh_groups(), step_spec(algorithm={"off_policy_correction": correction}), 4,
+                           CountingLogprobs([[-1.0, -2.0]] * 4))  # fmt: skip
+        assert (
+            prepared.proximal is not None
+            and pickle.loads(pickle.dumps(prepared.proximal)) == prepared.proximal
+        )

@@ -356,3 +356,40 @@ def test_step_metrics_cover_every_part_of_the_step() -> None:
     assert {"value_loss", "padding_waste", "mismatch_kl", "staleness_lag_0"} <= names
     assert stats.padding_waste == pytest.approx(1 / 6)
     assert not names & {"stale_dropped", "invalid_dropped", "zero_variance_dropped"}
+
+
+def test_stage_times_are_the_means_of_the_groups_stamps() -> None:
+    from services.trainer.collector import Group
+    from services.trainer.report import stage_metric_values
+
+    def group(name: str, issued: float, **stamps: float) -> Group:
+        member = trajectory(name, 0)
+        member.stages.CopyFrom(common_pb2.StageTimes(issued=issued, **stamps))
+        return Group(group_id=name, trajectories={member.id: member})
+
+    both = [
+        group("a", 100.0, picked=100.5, generated=101.5, scored=101.75, published=102.0),
+        group("b", 200.0, picked=201.5, generated=203.5, scored=204.25, published=204.5),
+        group("c", 300.0, picked=301.0),  # stamps missing (an older runner): left out
+    ]
+    values = stage_metric_values(both, trained_at=205.0)
+    assert values == pytest.approx({
+        "stage_queue_s": 1.0, "stage_generate_s": 1.5, "stage_score_s": 0.5,
+        "stage_publish_s": 0.25, "stage_deliver_s": (103.0 + 0.5) / 2,
+    })  # fmt: skip
+    assert stage_metric_values(both[2:], trained_at=305.0) == {}
+
+
+@pytest.mark.parametrize(
+    ("engines", "cores", "trainer", "engine"),
+    [(1, 2, 1, 1), (1, 8, 4, 4), (2, 8, 4, 2), (3, 2, 1, 1), (1, 1, 1, 1)],
+)
+def test_the_local_stack_splits_the_cores_between_trainer_and_engines(
+    engines: int, cores: int, trainer: int, engine: int
+) -> None:
+    from services.stack import thread_split
+
+    assert thread_split(engines, cores) == {
+        "VERST_TRAINER_TORCH_THREADS": str(trainer),
+        "VERST_ENGINE_TORCH_THREADS": str(engine),
+    }
