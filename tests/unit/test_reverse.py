@@ -215,3 +215,14 @@ def test_the_staleness_check_runs_the_race_job_of_either_task() -> None:
         0.2,
         0.28,
     )
+
+
+def test_a_reverse_race_writes_its_own_results_section() -> None:
+    from bench.e2e_report import SECTION_TITLE, section, section_title
+    from bench.e2e_runs import Point, Run, outcome
+
+    assert section_title("addition") == SECTION_TITLE == "## e2e (bench/e2e.py)"
+    assert section_title("reverse") == "## e2e (bench/e2e.py --task reverse)"
+    runs = [Run("verst", 1, [Point(0, 0.0, 0.36), Point(5, 2.0, 0.5)])]
+    text = section("cmd", {}, [], runs, outcome("reverse", 0.5, runs))
+    assert text.splitlines()[0] == "## e2e (bench/e2e.py --task reverse)"
