@@ -1,9 +1,11 @@
-"""What the builtin models share: a character tokenizer, a tiny Llama, generation, saving.
+"""What the builtin models share: a character tokenizer, a tiny Llama, supervised warm-up
+steps, generation, saving.
 
-Both ``builtin:addition`` (``addition_model.py``) and ``builtin:multiply``
-(``multiply_model.py``) are a 2-layer Llama over one token per character, built on
-every CPU core the process may use, checked by generating from held-out prompts,
-and saved as a Hugging Face directory with its ``verst.json`` (``models.py``).
+``builtin:addition`` (``addition_model.py``) and ``builtin:multiply``
+(``multiply_model.py``) are a 2-layer Llama, ``builtin:reverse`` (``reverse_model.py``)
+a 6-layer one, each over one token per character, built on every CPU core the process
+may use, checked by generating from held-out prompts, and saved as a Hugging Face
+directory with its ``verst.json`` (``models.py``).
 """
 
 from __future__ import annotations
