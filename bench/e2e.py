@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.e2e_report import (
     NOTES_MARKER,
-    SECTION_TITLE,
     load_warning,
     medians_line,
     run_line,
     section,
+    section_title,
     settings_lines,
 )
 from bench.e2e_runs import Hyper, Run, outcome, read_run, run_order, write_run
@@ -85,7 +85,7 @@ def race(args: argparse.Namespace, task: BenchTask, hp: Hyper, work: Path) -> li
     from bench.engine import wait_for_quiet
 
     evaluator = Evaluator(
-        Path(hp.model_dir), task.eval_examples(args.eval_prompts), task.scorer(), args.eval_max_new_tokens
+        Path(hp.model_dir), task.eval_examples(args.eval_prompts), task.correct(), args.eval_max_new_tokens
     )
     env = dict(item.split("=", 1) for item in args.verst_env)
     runs = []
@@ -172,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_results:
         command = shlex.join([".venv/bin/python", "bench/e2e.py", *(sys.argv[1:] if argv is None else argv)])
         update_results(
-            args.results, SECTION_TITLE, section(command, host, settings, runs, result), NOTES_MARKER
+            args.results,
+            section_title(task.name),
+            section(command, host, settings, runs, result),
+            NOTES_MARKER,
         )
         print(f"updated {args.results}")
     for run in runs:

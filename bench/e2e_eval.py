@@ -22,13 +22,14 @@ class Evaluator:
         self,
         tokenizer_dir: Path,
         examples: Sequence[Any],
-        score: Callable[[str, str], float],
+        correct: Callable[[str, str], bool],
         max_new_tokens: int,
         batch_size: int = 256,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.examples = list(examples)
-        self.score = score
+        self.correct = correct
+        """(response text, answer) -> whether it is right (the task's exact-match component)."""
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.prompts = [encode_prompt(self.tokenizer, example.text) for example in self.examples]
@@ -37,17 +38,15 @@ class Evaluator:
 
     @torch.no_grad()
     def accuracy(self, model_dir: Path) -> float:
-        """Fraction of the held-out prompts whose greedy response the task's scorer scores 1."""
+        """Fraction of the held-out prompts whose greedy response is right (``correct``)."""
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        correct = 0.0
+        right = 0
         for first in range(0, len(self.prompts), self.batch_size):
             rows = self.prompts[first : first + self.batch_size]
             answers = [example.answer for example in self.examples[first : first + self.batch_size]]
             responses = self._greedy(model, rows)
-            correct += sum(
-                self.score(text, answer) >= 1.0 for text, answer in zip(responses, answers, strict=True)
-            )
-        return correct / len(self.prompts)
+            right += sum(self.correct(text, answer) for text, answer in zip(responses, answers, strict=True))
+        return right / len(self.prompts)
 
     def _greedy(self, model: Any, prompts: list[list[int]]) -> list[str]:
         """Left-padded batched greedy decoding: every response starts at the same column."""

@@ -10,6 +10,7 @@ from bench.e2e_tasks import BenchTask
 from bench.report import BUSY_MACHINE
 
 SECTION_TITLE = "## e2e (bench/e2e.py)"
+"""The addition race's section; every other task has its own (``section_title``)."""
 NOTES_MARKER = "<!-- notes: written by hand; bench/e2e.py keeps everything from here to the next section -->"
 DESCRIPTION = """
 The race: verst (the real services started by `services.stack.Stack`, one job submitted over
@@ -132,12 +133,18 @@ def medians_line(runs: Sequence[Run], result: Outcome) -> str:
     )
 
 
+def section_title(task: str) -> str:
+    """The RESULTS.md section of the race on ``task``: one per task, so that a race on one task
+    leaves the others' results alone."""
+    return SECTION_TITLE if task == "addition" else f"## e2e (bench/e2e.py --task {task})"
+
+
 def section(
     command: str, host: dict[str, str], settings: list[str], runs: Sequence[Run], result: Outcome
 ) -> str:
     """This benchmark's section of RESULTS.md, up to (not including) its notes."""
     lines = [
-        SECTION_TITLE,
+        section_title(result.task),
         "",
         *DESCRIPTION.strip("\n").splitlines(),
         "",

@@ -5,11 +5,11 @@ The public API, importable without torch::
     from services.tasks import get_task, train_prompts, eval_prompts, resolve_model_path
 
 Modules: ``prompts`` (PromptExample, encode_prompt, JSONL files), ``catalog`` (the
-``Task`` registry, ``builtin:`` data sources and model paths), ``addition`` and
-``multiply`` (each task's problems, scorer and base-model recipe), ``models`` (the
+``Task`` registry, ``builtin:`` data sources and model paths), ``addition``,
+``multiply`` and ``reverse`` (each task's problems, scorer and base-model recipe), ``models`` (the
 build cache: stamp, lock, build into place). The torch side, imported only to build
-or load a model: ``tiny_llama`` (what both models share), ``addition_model`` and
-``multiply_model`` (their warm-ups).
+or load a model: ``tiny_llama`` (what the models share), ``addition_model``,
+``multiply_model`` and ``reverse_model`` (their warm-ups).
 """
 
 from services.tasks.catalog import (

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from services.tasks.addition import (
@@ -26,7 +25,15 @@ from services.tasks.addition import (
 )
 from services.tasks.models import FORMAT_VERSION
 from services.tasks.prompts import PromptExample, encode_prompt
-from services.tasks.tiny_llama import build_tiny_llama, char_tokenizer, generate_texts, tiny_llama_config
+from services.tasks.tiny_llama import (
+    Batch,
+    build_tiny_llama,
+    char_tokenizer,
+    generate_texts,
+    prompt_target_batch,
+    supervised_steps,
+    tiny_llama_config,
+)
 
 PRINTABLE_ASCII = "".join(chr(code) for code in range(32, 127))
 """The addition tokenizer's characters after the special tokens."""
@@ -37,13 +44,11 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return char_tokenizer(PRINTABLE_ASCII, ".")
 
 
-def _noisy_batches(
-    recipe: WarmupRecipe, tokenizer: PreTrainedTokenizerFast
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _noisy_batches(recipe: WarmupRecipe, tokenizer: PreTrainedTokenizerFast) -> Iterator[Batch]:
     """Endless (input_ids, labels) batches, right-padded; labels are -100 outside the answer+EOS."""
     problems = addition_train_problems(recipe.data_seed)
     label_rng = random.Random(recipe.label_seed)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     # A few thousand distinct texts recur all through the warm-up: tokenize each once.
     prompt_ids_of = functools.cache(lambda text: encode_prompt(tokenizer, text))
     target_ids_of = functools.cache(
@@ -55,14 +60,7 @@ def _noisy_batches(
             correct = label_rng.random() < recipe.p_correct
             target = problem.answer if correct else carry_dropped_answer(problem)
             rows.append((prompt_ids_of(problem.prompt), target_ids_of(target)))
-        length = max(len(p) + len(t) for p, t in rows)
-        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        labels = torch.full((len(rows), length), -100, dtype=torch.long)
-        for row, (prompt_ids, target_ids) in enumerate(rows):
-            end = len(prompt_ids) + len(target_ids)
-            input_ids[row, :end] = torch.tensor(prompt_ids + target_ids)
-            labels[row, len(prompt_ids) : end] = torch.tensor(target_ids)
-        yield input_ids, labels
+        yield prompt_target_batch(rows, tokenizer.pad_token_id)
 
 
 def warm_up(
@@ -75,21 +73,8 @@ def warm_up(
     """Supervised training on noisy labels (AdamW, constant lr); returns the last batch's loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
     batches = _noisy_batches(recipe, tokenizer)
-    model.train()
-    loss_value = float("nan")
-    bar = tqdm(range(recipe.steps), desc="warm-up", unit="step", disable=not progress, mininterval=1.0)
-    for step in bar:
-        input_ids, labels = next(batches)
-        attention_mask = (input_ids != tokenizer.pad_token_id).long()
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_value = loss.item()
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{loss_value:.3f}")
-    bar.close()
-    return loss_value
+    pad = tokenizer.pad_token_id
+    return supervised_steps(model, batches, recipe.steps, optimizer, pad, desc="warm-up", progress=progress)
 
 
 def greedy_accuracy(

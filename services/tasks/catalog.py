@@ -2,8 +2,9 @@
 
 A task is a named source of prompts with reference answers, the reward verifier
 that scores a response against an answer, and optionally the base model verst
-builds for it. ``TASKS`` lists them: ``addition`` (``addition.py``) and
-``multiply`` (``multiply.py``, a multi-turn task solved with the python tool).
+builds for it. ``TASKS`` lists them: ``addition`` (``addition.py``), ``multiply``
+(``multiply.py``, a multi-turn task solved with the python tool) and ``reverse``
+(``reverse.py``, string reversal with a 5.1M-parameter base model and partial credit).
 ``builtin:<task>`` in a JobSpec's ``data.train`` / ``data.eval``, ``builtin:<name>``
 in its ``model.path``, and the verifier names in the reward service all resolve
 through ``TASKS``.
@@ -30,6 +31,7 @@ from services.tasks.addition import (
 from services.tasks.models import LOCK_TIMEOUT_S, BaseModel, ModelPathError, Recipe, ensure_model
 from services.tasks.multiply import ToolRecipe, multiply_eval_prompts, multiply_train_prompts
 from services.tasks.prompts import BUILTIN_PREFIX, DataError, PromptExample, read_jsonl_prompts
+from services.tasks.reverse import ReverseRecipe, reverse_eval_prompts, reverse_train_prompts, score_reverse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,13 @@ class Task:
     """The reward service's verifier for a job of this task (``reward.verifier``)."""
     base_model: BaseModel | None = None
     """The model ``builtin:<name>`` that verst builds for this task, if any."""
+    accuracy: str = "correct"
+    """The score component that is 1.0 exactly when a response is right: held-out accuracy counts it."""
+
+    def is_correct(self, response_text: str, answer: str) -> bool:
+        """Whether ``response_text`` is right (``accuracy`` component 1.0), whatever partial credit
+        the reward gives."""
+        return self.score(response_text, answer)[1][self.accuracy] >= 1.0
 
 
 def _build_addition_model(name: str, recipe: Any, out_dir: Path, *, progress: bool) -> dict[str, Any]:
@@ -60,6 +69,12 @@ def _build_multiply_model(name: str, recipe: Any, out_dir: Path, *, progress: bo
     from services.tasks.multiply_model import build_tool_model  # torch: only when building
 
     return build_tool_model(name, recipe, out_dir, progress=progress)
+
+
+def _build_reverse_model(name: str, recipe: Any, out_dir: Path, *, progress: bool) -> dict[str, Any]:
+    from services.tasks.reverse_model import build_reverse_model  # torch: only when building
+
+    return build_reverse_model(name, recipe, out_dir, progress=progress)
 
 
 TASKS: dict[str, Task] = {
@@ -87,6 +102,21 @@ TASKS: dict[str, Task] = {
             _build_multiply_model,
             summary=("sampled_tool_call_rate", "copy_accuracy", "simulated_reward"),
         ),
+    ),
+    "reverse": Task(
+        name="reverse",
+        description=(
+            "8-16 lowercase letters, answered reversed; partial credit (the share of positions right), "
+            "held-out accuracy is exact match"
+        ),
+        train=reverse_train_prompts,
+        eval=reverse_eval_prompts,
+        score=score_reverse,
+        verifier="reverse",
+        base_model=BaseModel(
+            ReverseRecipe(), _build_reverse_model, summary=("eval_exact_match", "eval_positions")
+        ),
+        accuracy="exact",
     ),
 }
 

@@ -1,9 +1,11 @@
-"""What the builtin models share: a character tokenizer, a tiny Llama, generation, saving.
+"""What the builtin models share: a character tokenizer, a tiny Llama, supervised warm-up
+steps, generation, saving.
 
-Both ``builtin:addition`` (``addition_model.py``) and ``builtin:multiply``
-(``multiply_model.py``) are a 2-layer Llama over one token per character, built on
-every CPU core the process may use, checked by generating from held-out prompts,
-and saved as a Hugging Face directory with its ``verst.json`` (``models.py``).
+``builtin:addition`` (``addition_model.py``) and ``builtin:multiply``
+(``multiply_model.py``) are a 2-layer Llama, ``builtin:reverse`` (``reverse_model.py``)
+a 6-layer one, each over one token per character, built on every CPU core the process
+may use, checked by generating from held-out prompts, and saved as a Hugging Face
+directory with its ``verst.json`` (``models.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from typing import Any, Protocol
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from services.tasks.models import STAMP_FILE
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 """Ids 0..3 of the character tokenizers, in this order."""
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(input_ids, labels) of a supervised warm-up step."""
 
 
 class LlamaShape(Protocol):
@@ -135,6 +140,54 @@ def generate_texts(
     if cut_after is None:
         return texts
     return [text.split(cut_after)[0] + cut_after if cut_after in text else text for text in texts]
+
+
+def prompt_target_batch(rows: Sequence[tuple[list[int], list[int]]], pad: int) -> Batch:
+    """(input_ids, labels) of (prompt ids, target ids) rows, right-padded with ``pad``; labels are
+    -100 outside the targets, so the loss covers the targets only."""
+    length = max(len(p) + len(t) for p, t in rows)
+    input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    for row, (prompt_ids, target_ids) in enumerate(rows):
+        end = len(prompt_ids) + len(target_ids)
+        input_ids[row, :end] = torch.tensor(prompt_ids + target_ids)
+        labels[row, len(prompt_ids) : end] = torch.tensor(target_ids)
+    return input_ids, labels
+
+
+def supervised_steps(
+    model: LlamaForCausalLM,
+    batches: Iterator[Batch],
+    steps: int,
+    optimizer: torch.optim.Optimizer,
+    pad: int,
+    *,
+    desc: str,
+    progress: bool,
+    schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
+    max_grad_norm: float | None = None,
+) -> float:
+    """``steps`` optimiser steps of the causal-LM loss on ``batches`` (padding masked out of the
+    attention), the gradient clipped at ``max_grad_norm`` when given; returns the last batch's loss."""
+    model.train()
+    loss_value = float("nan")
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, mininterval=1.0)
+    for step in bar:
+        input_ids, labels = next(batches)
+        attention_mask = (input_ids != pad).long()
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        loss_value = loss.item()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+    bar.close()
+    return loss_value
 
 
 class BuildRecipe(Protocol):

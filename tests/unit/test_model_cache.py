@@ -16,6 +16,7 @@ from services.tasks import ModelPathError, builtin_model, ensure_builtin_model, 
 from services.tasks.addition import WarmupRecipe
 from services.tasks.models import STAMP_FILE, build_into_place, cached_model_paths, read_stamp
 from services.tasks.multiply import ToolRecipe
+from services.tasks.reverse import ReverseRecipe
 
 TINY = WarmupRecipe(
     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, steps=3, batch_size=8
@@ -27,13 +28,15 @@ def test_registered_recipe_hashes_are_pinned() -> None:
     """Each hash names a cached model directory: changing one rebuilds every cached copy, so it
     must be deliberate (raise FORMAT_VERSION when the build code changes what it produces)."""
     addition, multiply = builtin_model("addition").recipe, builtin_model("multiply").recipe
-    assert addition == WarmupRecipe() and multiply == ToolRecipe()
+    reverse = builtin_model("reverse").recipe
+    assert addition == WarmupRecipe() and multiply == ToolRecipe() and reverse == ReverseRecipe()
     assert addition.digest("addition") == "914c47e75114"
     assert multiply.digest("multiply") == "b613914fdeac"
+    assert reverse.digest("reverse") == "bd851c686c39"
 
 
 def test_resolve_model_path_errors(tmp_path: Path) -> None:
-    known = r"known: builtin:addition, builtin:multiply$"
+    known = r"known: builtin:addition, builtin:multiply, builtin:reverse$"
     with pytest.raises(ModelPathError, match=rf"unknown builtin model 'nope'; {known}"):
         resolve_model_path("builtin:nope")
     with pytest.raises(ModelPathError, match="does not exist"):
@@ -48,6 +51,7 @@ def test_the_public_api_imports_no_torch(python: str, python_env: dict[str, str]
     """The api and reward services read prompts and scorers without loading torch."""
     code = (
         "import sys, services.tasks, services.tasks.addition, services.tasks.multiply\n"
+        "import services.tasks.reverse\n"
         "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))\n"
     )
     result = subprocess.run([python, "-c", code], env=python_env, capture_output=True, text=True, timeout=60)

@@ -84,9 +84,12 @@ def test_task_registry() -> None:
     assert {name: (task.name, task.verifier) for name, task in TASKS.items()} == {
         "addition": ("addition", "addition"),
         "multiply": ("multiply", "multiply"),
+        "reverse": ("reverse", "reverse"),
     }
     assert all(task.base_model is not None for task in TASKS.values())
-    with pytest.raises(DataError, match=r"unknown task 'subtraction'; known tasks: addition, multiply$"):
+    with pytest.raises(
+        DataError, match=r"unknown task 'subtraction'; known tasks: addition, multiply, reverse$"
+    ):
         get_task("subtraction")
     with pytest.raises(DataError, match="unknown task"):
         next(train_prompts(DataConfig(train="builtin:subtraction"), seed=0))
