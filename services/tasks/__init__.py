@@ -15,6 +15,7 @@ or load a model: ``tiny_llama`` (what both models share), ``addition_model`` and
 from services.tasks.catalog import (
     TASKS,
     Task,
+    built_model_dir,
     builtin_model,
     builtin_task_name,
     ensure_builtin_model,
@@ -42,6 +43,7 @@ __all__ = [
     "PromptExample",
     "PromptTooLongError",
     "Task",
+    "built_model_dir",
     "builtin_model",
     "builtin_task_name",
     "encode_prompt",
