@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import Any
 
-from fastapi import FastAPI, Request, status
+from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -61,12 +62,28 @@ def excerpt(value: Any) -> Any:
         if len(value) > EXCERPT_CHARS:
             value = f"{value[:EXCERPT_CHARS]}… ({len(value)} characters)"
         return clean_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf or nan
     if value is None or isinstance(value, bool | int | float):
         return value
-    text = json.dumps(jsonable_encoder(value, custom_encoder={str: clean_text}), ensure_ascii=True)
+    try:
+        text = json.dumps(jsonable_encoder(value), ensure_ascii=True, allow_nan=False, default=str)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
     if len(text) <= EXCERPT_CHARS:
-        return json.loads(text)
+        return _cleaned(json.loads(text))
     return f"{text[:EXCERPT_CHARS]}… ({len(text)} characters of JSON)"
+
+
+def _cleaned(value: Any) -> Any:
+    """A copy of parsed JSON with every string (keys too) passed through clean_text."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, list):
+        return [_cleaned(item) for item in value]
+    if isinstance(value, dict):
+        return {clean_text(key): _cleaned(item) for key, item in value.items()}
+    return value
 
 
 def validation_detail(errors: Any) -> list[dict[str, Any]]:
@@ -127,7 +144,7 @@ class TokenMiddleware:
             await self.app(scope, receive, send)
             return
         what = "wrong bearer token" if given else "this api needs `Authorization: Bearer <token>`"
-        await _reply(send, status.HTTP_401_UNAUTHORIZED, what, [(b"www-authenticate", b"Bearer")])
+        await _reply(send, 401, what, [(b"www-authenticate", b"Bearer")])
 
 
 class BodyLimitMiddleware:
@@ -145,7 +162,7 @@ class BodyLimitMiddleware:
         too_long = f"the request body is larger than {self.limit} bytes (VERST_API_MAX_BODY_BYTES)"
         for name, value in scope["headers"]:
             if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                await _reply(send, status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, too_long)
+                await _reply(send, 413, too_long)
                 return
         chunks, size = [], 0
         while True:
@@ -155,7 +172,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                await _reply(send, status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, too_long)
+                await _reply(send, 413, too_long)
                 return
             if not message.get("more_body", False):
                 break

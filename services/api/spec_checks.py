@@ -26,7 +26,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from services.tasks import (
     BUILTIN_PREFIX,
     DataError,
     ModelPathError,
+    PromptExample,
     built_model_dir,
     builtin_model,
     encode_prompt,
@@ -149,7 +150,7 @@ def prompt_problems(spec: JobSpec, count: int) -> list[Problem]:
     except (OSError, ValueError) as err:
         return [(field, f"cannot load a tokenizer from {path!r:.200}: {err}")]
     try:
-        sample = list(itertools.islice(train_prompts(spec.data, spec.seed), count))
+        sample = _first_prompts(train_prompts(spec.data, spec.seed), count)
     except DataError:
         return []  # readability_problems names it
     limit = spec.data.max_prompt_tokens
@@ -163,6 +164,18 @@ def prompt_problems(spec: JobSpec, count: int) -> list[Problem]:
             )
         ]
     return []
+
+
+def _first_prompts(prompts: Iterator[PromptExample], count: int) -> list[PromptExample]:
+    """Up to ``count`` prompts, stopping where the (endless) source comes round to one it gave."""
+    seen: set[str] = set()
+    sample = []
+    for example in itertools.islice(prompts, count):
+        if example.prompt_id in seen:
+            break
+        seen.add(example.prompt_id)
+        sample.append(example)
+    return sample
 
 
 class SpecChecker:
