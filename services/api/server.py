@@ -133,7 +133,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
             await bus.close()
 
     app = FastAPI(
-        title="verst", version="0.1.0", summary="RL post-training jobs over REST", lifespan=lifespan
+        title="verst",
+        version="0.1.0",
+        summary="RL post-training jobs over REST",
+        lifespan=lifespan,
+        redirect_slashes=False,  # `/v1/jobs/` is a 404, not a 307 to a route that says otherwise
     )
     guard(app, settings)
     _add_job_routes(app, settings)
