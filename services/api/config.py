@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import RolloutClientSettings
@@ -32,3 +34,28 @@ class ApiSettings(RolloutClientSettings):
     """Controller stream entries left unacked this long by a dead api are taken over."""
     list_limit: int = Field(1000, ge=1, le=100_000)
     """Most jobs one GET /v1/jobs returns."""
+    max_body_bytes: int = Field(1_048_576, ge=1024, le=1_073_741_824)
+    """Largest request body the api reads; a longer one is a 413."""
+    token: SecretStr | None = Field(None, min_length=16, max_length=4096)
+    """Bearer token every endpoint but /healthz and /metrics requires (`Authorization: Bearer
+    <token>`, else 401); unset: no authentication."""
+    data_roots: str = Field("", max_length=65_536, validation_alias=AliasChoices("VERST_DATA_ROOTS"))
+    """Directories (separated by `:`) that model.path, model.tokenizer, data.train and data.eval must
+    lie in (`builtin:` names always allowed); empty: any path."""
+    checkpoint_root: str = Field("", max_length=4096, validation_alias=AliasChoices("VERST_CHECKPOINT_ROOT"))
+    """Directory that trainer.checkpoint_dir must lie in; empty: any path."""
+    check_specs: bool = True
+    """Check a submitted spec against the world (paths, data, prompt lengths, reward service); off:
+    only the JobSpec's own validation."""
+    check_timeout_s: float = Field(5.0, gt=0.0, le=600.0)
+    """Deadline of each submission check that waits (the reward service, reading the data)."""
+    check_prompts: int = Field(64, ge=1, le=100_000)
+    """Training prompts read at submission to check that some fit data.max_prompt_tokens."""
+
+    def data_root_paths(self) -> list[Path]:
+        """VERST_DATA_ROOTS as resolved directories (symlinks followed)."""
+        return [Path(os.path.realpath(p)) for p in self.data_roots.split(os.pathsep) if p.strip()]
+
+    def checkpoint_root_path(self) -> Path | None:
+        """VERST_CHECKPOINT_ROOT resolved, or None when unset."""
+        return Path(os.path.realpath(self.checkpoint_root)) if self.checkpoint_root.strip() else None

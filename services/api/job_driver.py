@@ -401,10 +401,14 @@ class JobDriver:
         while not self._stopping.is_set():
             self._wake.clear()
             issue = self._plan()
-            if issue.replacements:
-                await self._publish(feed.extra(self._extra, issue.replacements), extra=True)
-            for index in issue.batches:
-                await self._publish(feed.batch(index), extra=False)
+            try:
+                if issue.replacements:
+                    await self._publish(feed.extra(self._extra, issue.replacements), extra=True)
+                for index in issue.batches:
+                    await self._publish(feed.batch(index), extra=False)
+            except DataError as err:  # e.g. no prompt fits max_prompt_tokens (job_feed.py's bound)
+                self._fail(f"cannot issue prompts: {err}")
+                return
             with contextlib.suppress(TimeoutError):  # a look at the stop flag now and then
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
 

@@ -5,6 +5,10 @@ start, skipping the prompts already issued, so a restarted controller that has
 issued ``consumed`` prompts continues with exactly the ones that follow. Regular
 batches have ids ``{job_id}:{batch}:{index}``; replacements for groups the
 trainer dropped have ids ``{job_id}:extra:{n}``.
+
+Prompts longer than ``data.max_prompt_tokens`` are skipped, but never endlessly: after
+``MAX_SKIPPED_IN_A_ROW`` of them in a row the feed raises ``DataError`` (the train source is
+endless, so a filter without that bound would spin forever on a data set none of whose prompts fit).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from typing import Any
 
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
-from services.tasks import PromptExample, PromptTooLongError, encode_prompt, train_prompts
+from services.tasks import DataError, PromptExample, PromptTooLongError, encode_prompt, train_prompts
 
 log = logging.getLogger(__name__)
+
+MAX_SKIPPED_IN_A_ROW = 1000
+"""Too-long training prompts in a row after which the feed gives up (``DataError``)."""
 
 
 class PromptFeed:
@@ -49,11 +56,20 @@ class PromptFeed:
 
     def _encoded(self, examples: Iterator[PromptExample]) -> Iterator[tuple[PromptExample, list[int]]]:
         limit = self.spec.data.max_prompt_tokens
+        skipped = 0
         for example in examples:
             try:
-                yield example, encode_prompt(self.tokenizer, example.text, max_tokens=limit)
+                ids = encode_prompt(self.tokenizer, example.text, max_tokens=limit)
             except PromptTooLongError as err:
-                log.warning("%s: skipped training prompt %s: %s", self.job_id, example.prompt_id, err)
+                skipped += 1
+                if skipped >= MAX_SKIPPED_IN_A_ROW:
+                    message = f"{skipped} training prompts in a row are longer than {limit} tokens"
+                    raise DataError(f"{message} (data.max_prompt_tokens)") from None
+                if skipped <= 10:  # the first few say which; the rest would only flood the log
+                    log.warning("%s: skipped training prompt %s: %s", self.job_id, example.prompt_id, err)
+                continue
+            skipped = 0
+            yield example, ids
 
     def _task(self, prompt_id: str, example: PromptExample, ids: list[int]) -> common_pb2.PromptTask:
         task = common_pb2.PromptTask(

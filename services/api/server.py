@@ -10,13 +10,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Path, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict
 
 from services.api.config import ApiSettings
 from services.api.controller import Controller
+from services.api.guard import error_responses, guard
+from services.api.spec_checks import SpecChecker
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, connect
 from services.common.config import JobSpec
@@ -32,8 +35,8 @@ class View(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
 
-class JobView(View):
-    """A job as the api shows it."""
+class JobSummary(View):
+    """A job as lists show it: everything but its spec."""
 
     job_id: str
     name: str
@@ -49,27 +52,39 @@ class JobView(View):
     updated_at: datetime
     metrics: dict[str, float]
     """Latest value of every metric, keyed "source/name" (e.g. "eval/accuracy", "trainer/loss")."""
+
+    @classmethod
+    def fields_of(cls, record: JobRecord) -> dict[str, Any]:
+        return {
+            "job_id": record.job_id,
+            "name": record.spec.name,
+            "state": record.state,
+            "policy_version": record.policy_version,
+            "step": record.step,
+            "reason": record.reason,
+            "submitted_at": datetime.fromtimestamp(record.submitted_at, UTC),
+            "updated_at": datetime.fromtimestamp(record.updated_at, UTC),
+            "metrics": record.metrics,
+        }
+
+    @classmethod
+    def of(cls, record: JobRecord) -> JobSummary:
+        return cls(**cls.fields_of(record))
+
+
+class JobView(JobSummary):
+    """A job as the api shows it, with its spec."""
+
     spec: JobSpec
 
     @classmethod
     def of(cls, record: JobRecord) -> JobView:
-        return cls(
-            job_id=record.job_id,
-            name=record.spec.name,
-            state=record.state,
-            policy_version=record.policy_version,
-            step=record.step,
-            reason=record.reason,
-            submitted_at=datetime.fromtimestamp(record.submitted_at, UTC),
-            updated_at=datetime.fromtimestamp(record.updated_at, UTC),
-            metrics=record.metrics,
-            spec=record.spec,
-        )
+        return cls(**cls.fields_of(record), spec=record.spec)
 
 
 class JobList(View):
-    jobs: list[JobView]
-    """Newest first."""
+    jobs: list[JobSummary]
+    """Newest first, without their specs (GET /v1/jobs/{job_id} has the spec)."""
 
 
 class MetricPoint(View):
@@ -118,8 +133,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
             await bus.close()
 
     app = FastAPI(
-        title="verst", version="0.1.0", summary="RL post-training jobs over REST", lifespan=lifespan
+        title="verst",
+        version="0.1.0",
+        summary="RL post-training jobs over REST",
+        lifespan=lifespan,
+        redirect_slashes=False,  # `/v1/jobs/` is a 404, not a 307 to a route that says otherwise
     )
+    guard(app, settings)
     _add_job_routes(app, settings)
     _add_ops_routes(app, settings)
     return app
@@ -137,23 +157,53 @@ async def _record(request: Request, job_id: str) -> JobRecord:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}") from None
 
 
+async def _check(checker: SpecChecker | None, spec: JobSpec) -> None:
+    """422 naming each field of ``spec`` that the submission checks (spec_checks.py) refuse."""
+    if checker is None:
+        return
+    problems = await checker.check(spec)
+    if problems:
+        errors = [
+            {"type": "spec_check", "loc": ("body", *path), "msg": message, "input": _value_at(spec, path)}
+            for path, message in problems
+        ]
+        raise RequestValidationError(errors)
+
+
+def _value_at(spec: JobSpec, path: tuple[str, ...]) -> Any:
+    value: Any = spec
+    for part in path:
+        value = getattr(value, part)
+    return value
+
+
 def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
-    @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED, tags=["jobs"])
+    checker = SpecChecker(settings) if settings.check_specs else None
+
+    @app.post(
+        "/v1/jobs",
+        status_code=status.HTTP_201_CREATED,
+        tags=["jobs"],
+        responses=error_responses(400, 401, 413),
+    )
     async def submit_job(spec: JobSpec, request: Request) -> JobView:
-        """Queue a job. A bad spec is a 422 whose `detail[].loc` is the path of each bad field."""
+        """Queue a job. A bad spec is a 422 whose `detail[].loc` is the path of each bad field: the
+        JobSpec's own rules, then the checks against the world (paths and their roots, the model and
+        data, prompt lengths, the reward service and its verifier)."""
+        await _check(checker, spec)
         return JobView.of(await _store(request).create(spec))
 
-    @app.get("/v1/jobs", tags=["jobs"])
+    @app.get("/v1/jobs", tags=["jobs"], responses=error_responses(401))
     async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=settings.list_limit)) -> JobList:
-        """The newest jobs, newest first."""
-        return JobList(jobs=[JobView.of(record) for record in await _store(request).list(limit)])
+        """The newest jobs, newest first, as summaries (no spec)."""
+        return JobList(jobs=[JobSummary.of(record) for record in await _store(request).list(limit)])
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], responses=error_responses(401, 404))
     async def get_job(job_id: JobId, request: Request) -> JobView:
         """One job: state, policy version, step, reason and latest metrics."""
         return JobView.of(await _record(request, job_id))
 
-    @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"], responses=error_responses(401, 404))
     async def job_metrics(
         job_id: JobId,
         request: Request,
@@ -167,7 +217,7 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}") from None
         return MetricHistory(job_id=job_id, points=[MetricPoint.of(row) for row in rows])
 
-    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], responses=error_responses(401, 404, 409, 413))
     async def cancel_job(job_id: JobId, request: Request) -> JobView:
         """Cancel a queued or running job: no more prompts are issued. 409 if it already finished."""
         record = await _record(request, job_id)

@@ -8,8 +8,9 @@ Load it from YAML with ``load_job_spec(path)`` or from a dict with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -30,18 +31,46 @@ GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"
 TOKEN_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
 """Advantage estimators that take per-token rewards, so can take the KL penalty as a reward
 (``token_level``)."""
+PATH_CHARS = 4096
+"""Longest path a JobSpec may name."""
+DEEPSPEED_JSON_CHARS = 65_536
+"""Longest `trainer.deepspeed`, as JSON text."""
+Text = Annotated[str, Field(max_length=1024)]
+"""A short free string of a list (a stop string, a tool name)."""
+
+
+def _surrogate_free(value: Any, depth: int = 0) -> Any:
+    """``value`` when no string in it has a lone surrogate (text that cannot be UTF-8)."""
+    if isinstance(value, str):
+        value.encode("utf-8")  # UnicodeEncodeError is a ValueError: pydantic names the field
+    elif isinstance(value, dict | list | tuple) and depth < 64:
+        for item in value.items() if isinstance(value, dict) else value:
+            _surrogate_free(item, depth + 1)
+    return value
 
 
 class Section(BaseModel):
     """Base of every JobSpec section: unknown keys are errors, docstrings document fields."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if isinstance(value, str | list | dict):
+            try:
+                _surrogate_free(value)
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+        return value
 
 
 class ModelConfig(Section):
-    path: str = Field("builtin:addition", min_length=1)
+    path: str = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
     """Local Hugging Face model directory, or `builtin:<name>` for a model verst prepares."""
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(None, min_length=1, max_length=PATH_CHARS)
     """Tokenizer directory when it differs from `path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for rollout and training."""
@@ -50,13 +79,13 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train: str = Field("builtin:addition", min_length=1)
+    train: str = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
     """Training prompts: a JSONL file, or `builtin:<task>` for a synthetic task."""
-    eval: str | None = "builtin:addition"
+    eval: str | None = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
     """Held-out prompts for evaluation (same forms as `train`); null disables evaluation data."""
-    prompt_field: str = "prompt"
+    prompt_field: str = Field("prompt", min_length=1, max_length=256)
     """JSONL key holding the prompt text."""
-    answer_field: str = "answer"
+    answer_field: str = Field("answer", min_length=1, max_length=256)
     """JSONL key holding the reference answer."""
     max_prompt_tokens: int = Field(512, ge=1, le=1_048_576)
     """Prompts longer than this (in tokens) are rejected when read."""
@@ -75,26 +104,26 @@ class AlgorithmConfig(Section):
     """Lower clip range: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0.0, le=10.0)
     """Upper clip range: the ratio is clipped above at 1 + clip_high (clip-higher when > clip_low)."""
-    dual_clip: float | None = Field(None, gt=1.0)
+    dual_clip: float | None = Field(None, gt=1.0, le=1e6)
     """Dual-clip bound c on negative-advantage tokens; null disables it."""
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
     """How token losses combine: over all tokens, per sequence then mean, or Dr.GRPO's constant."""
-    kl_coef: float = Field(0.0, ge=0.0)
+    kl_coef: float = Field(0.0, ge=0.0, le=1000.0)
     """Weight of the KL penalty to the frozen reference model; 0 disables the reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (k3 is the low-variance one)."""
     kl_in_reward: bool = False
     """Fold the KL penalty into each token's reward (REINFORCE++ style) instead of the loss."""
-    entropy_coef: float = Field(0.0, ge=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0, le=1000.0)
     """Weight of the entropy bonus."""
     off_policy_correction: Literal["none", "tis", "decoupled"] = "decoupled"
     """How the policy loss corrects for the weights that sampled each token: `decoupled` (decoupled
     PPO: weight p_old / p_behaviour, tokens above behaviour_weight_cap left out), `tis` (weight
     min(p_old / p_behaviour, tis_cap)) or `none`."""
-    tis_cap: float | None = Field(None, gt=0.0)
+    tis_cap: float | None = Field(None, gt=0.0, le=1e6)
     """Cap of truncated importance sampling; setting it selects off_policy_correction `tis` (null
     there: 2.0)."""
-    behaviour_weight_cap: float = Field(5.0, gt=1.0)
+    behaviour_weight_cap: float = Field(5.0, gt=1.0, le=1e6)
     """Decoupled PPO: tokens whose weight p_old / p_behaviour exceeds it are left out of the loss."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """How many policy versions a token may lag the trainer and still be trained on."""
@@ -162,13 +191,13 @@ class RolloutConfig(Section):
     """Sampling temperature for training rollouts (0 is greedy)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=1_000_000)
     """Top-k sampling; 0 disables it."""
-    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop: list[Text] = Field(default_factory=list, max_length=64)
     """Stop strings."""
     max_turns: int = Field(1, ge=1, le=256)
     """Model turns per episode; above 1 the runner executes tool calls between turns."""
-    tools: list[str] = Field(default_factory=list)
+    tools: list[Text] = Field(default_factory=list, max_length=64)
     """Tools a multi-turn episode may call, by name."""
 
     @field_validator("tools")
@@ -205,11 +234,11 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    address: str | None = None
+    address: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
     """host:port of a Reward service; null means the one verst runs."""
-    verifier: str = Field("addition", min_length=1)
+    verifier: str = Field("addition", min_length=1, max_length=256)
     """Verifier name in the reward service."""
-    plugin: str | None = Field(None, pattern=r"^[\w.]+:[\w]+$")
+    plugin: str | None = Field(None, max_length=256, pattern=r"^[\w.]+:[\w]+$")
     """User reward function as `module:function`, instead of a built-in verifier."""
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     """Deadline of one Score call."""
@@ -225,9 +254,9 @@ class TrainerConfig(Section):
     """Optimiser steps (one per rollout batch) before the job succeeds."""
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
     """Peak learning rate."""
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=100.0)
     """AdamW weight decay."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
     """Linear warm-up steps of the schedule."""
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
@@ -235,7 +264,7 @@ class TrainerConfig(Section):
     """Gradient clipping norm; null disables clipping."""
     zero_stage: int | None = Field(None, ge=0, le=3)
     """DeepSpeed ZeRO stage; null: 1 with several trainer processes, 0 with one (nothing to partition)."""
-    micro_batch_tokens: int = Field(8192, ge=16)
+    micro_batch_tokens: int = Field(8192, ge=16, le=1 << 30)
     """Token budget of one micro-batch (dynamic batching packs to it)."""
     packing: bool = True
     """Lay several samples end to end in a row (no padding between them); false: one per row."""
@@ -243,7 +272,7 @@ class TrainerConfig(Section):
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1, le=1024)
     """Optimiser steps per pass over a rollout batch."""
-    checkpoint_dir: str = "runs"
+    checkpoint_dir: str = Field("runs", min_length=1, max_length=PATH_CHARS)
     """Where checkpoints are written (a volume shared with the engines)."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     """How many recent durable checkpoints to keep (their manifests are the de-duplication window)."""
@@ -254,24 +283,36 @@ class TrainerConfig(Section):
     checkpoint_every_seconds: float | None = Field(None, gt=0.0, le=604_800.0)
     """Also a durable checkpoint at the first step this long after the previous one; null: by steps only."""
     deepspeed: dict[str, Any] | None = None
-    """Raw DeepSpeed config merged over the one derived from this section."""
+    """Raw DeepSpeed config merged over the one derived from this section (at most 64 KiB of JSON)."""
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_is_small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                size = len(json.dumps(value))
+            except (TypeError, ValueError, RecursionError):
+                raise ValueError("must be plain JSON (objects, arrays, strings, numbers)") from None
+            if size > DEEPSPEED_JSON_CHARS:
+                raise ValueError(f"is {size} characters of JSON; at most {DEEPSPEED_JSON_CHARS}")
+        return value
 
 
 class EvalConfig(Section):
-    every_steps: int = Field(5, ge=0)
+    every_steps: int = Field(5, ge=0, le=10_000_000)
     """Held-out evaluation every K steps (0: only at the start and the end)."""
-    num_prompts: int = Field(128, ge=1)
+    num_prompts: int = Field(128, ge=1, le=1_000_000)
     """Held-out prompts per evaluation."""
     at_start: bool = True
     """Evaluate the base model (version 0) before training."""
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1, le=65_536)
     """Response budget for evaluation; null means the rollout's."""
 
 
 class JobSpec(Section):
-    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][\w.-]*$")
-    """Human-readable job name (letters, digits, `_`, `.`, `-`)."""
-    seed: int = Field(0, ge=0)
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Human-readable job name (ASCII letters, digits, `_`, `.`, `-`; starting with a letter or digit)."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed for data order, sampling and initialisation."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Which model to train."""

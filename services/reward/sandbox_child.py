@@ -5,11 +5,11 @@ scrubbed environment, so standard library only. The supervisor keeps the service
 child subreaper, so orphans are reaped, not left as zombies that count against the sandbox uid's
 process limit. When the runner dies, or the service's lifeline pipe is written or closed, it kills
 and reaps every process of the sandbox, reports the runner's wait status and exits. The runner
-isolates itself, runs each request's code in one namespace of globals (a session is one runner
-given several requests) and writes one status line per request. Its layers, in order (the ready
-line names those that applied; the table in docs/architecture.md says what each stops): ``netns``
-(else the ``audit-net`` hook), ``mountns`` with ``hidepid``, ``uid`` (when the supervisor is root,
-which makes the kill a ``kill(-1)`` as that uid, atomic against forks), and rlimits.
+isolates itself, runs each request's code in one namespace of globals (a session is one runner given
+several requests) and writes one status line per request. Its layers, in order (the ready line names
+those that applied; docs/architecture.md says what each stops): ``netns`` and the ``audit-socket``
+hook (else the ``audit-net`` hook), ``mountns`` with ``hidepid``, ``uid`` (when the supervisor is
+root, which makes the kill a ``kill(-1)`` as that uid, atomic against forks), and rlimits.
 """
 
 from __future__ import annotations
@@ -49,14 +49,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
-MOUNT_OPTION_FLAGS = {
-    "nodev": MS_NODEV,
-    "noexec": MS_NOEXEC,
-    "noatime": MS_NOATIME,
-    "nodiratime": MS_NODIRATIME,
-    "relatime": MS_RELATIME,
-    "strictatime": MS_STRICTATIME,
-}
+MOUNT_OPTION_FLAGS = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME}
+MOUNT_OPTION_FLAGS.update(nodiratime=MS_NODIRATIME, relatime=MS_RELATIME, strictatime=MS_STRICTATIME)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -313,15 +307,16 @@ def isolate_network() -> list[str]:
     except OSError:
         sys.addaudithook(refuse_network)
         return ["audit-net"]
-    return ["netns"]
+    sys.addaudithook(lambda event, args: refuse_network(event, args, ("socket.",)))  # no sockets at all
+    return ["netns", "audit-socket"]
 
 
 BLOCKED_EVENTS = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn")
 
 
-def refuse_network(event: str, args: tuple) -> None:
-    """Audit hook of the fallback: no sockets, and no other program (which would not inherit it)."""
-    if event.startswith(BLOCKED_EVENTS):
+def refuse_network(event: str, args: tuple, blocked: tuple[str, ...] = BLOCKED_EVENTS) -> None:
+    """Audit hook: no sockets, and in the fallback no other program (which would not inherit it)."""
+    if event.startswith(blocked):
         raise PermissionError(f"{event} is not allowed in this sandbox (no network)")
 
 

@@ -113,6 +113,30 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         results = await asyncio.gather(*(self.score(item, timeout_s) for item in request.items))
         return reward_pb2.ScoreBatchResponse(results=results)
 
+    async def CheckVerifier(
+        self, request: reward_pb2.CheckVerifierRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.CheckVerifierResponse:
+        """Whether the name would score here: registered, or a plugin that is allowed and imports."""
+        return await self.check(request.verifier, self._deadline_s(context))
+
+    async def check(self, name: str, timeout_s: float | None = None) -> reward_pb2.CheckVerifierResponse:
+        """CheckVerifier's answer for ``name`` (empty: the default), within ``timeout_s``."""
+        name = name or self._default
+        known = sorted(self._verifiers)
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        error = ""
+        if is_plugin(name):
+            try:
+                await asyncio.wait_for(self._plugins.load(name), timeout_s)
+            except PluginError as err:
+                error = f"plugin {name!r} cannot be used: {err}"
+            except TimeoutError:
+                error = f"plugin {name!r} did not import within {timeout_s:.3g}s"
+        elif name not in self._verifiers:
+            listed = ", ".join(known)
+            error = f"unknown verifier {name!r}; known verifiers: {listed}, or a plugin as module:function"
+        return reward_pb2.CheckVerifierResponse(ok=not error, error=error, verifiers=known)
+
     def _deadline_s(self, context: grpc.aio.ServicerContext) -> float:
         """``score_timeout_s``, or what is left of the call's deadline when that is less."""
         remaining = context.time_remaining()

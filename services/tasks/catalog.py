@@ -28,7 +28,15 @@ from services.tasks.addition import (
     addition_train_prompts,
     score_addition,
 )
-from services.tasks.models import LOCK_TIMEOUT_S, BaseModel, ModelPathError, Recipe, ensure_model
+from services.tasks.models import (
+    LOCK_TIMEOUT_S,
+    BaseModel,
+    ModelPathError,
+    Recipe,
+    cached_model_paths,
+    ensure_model,
+    is_built,
+)
 from services.tasks.multiply import ToolRecipe, multiply_eval_prompts, multiply_train_prompts
 from services.tasks.prompts import BUILTIN_PREFIX, DataError, PromptExample, read_jsonl_prompts
 from services.tasks.reverse import ReverseRecipe, reverse_eval_prompts, reverse_train_prompts, score_reverse
@@ -203,6 +211,14 @@ def ensure_builtin_model(
     if recipe is not None:
         model = dataclasses.replace(model, recipe=recipe)
     return ensure_model(name, model, cache_dir, progress=progress, lock_timeout_s=lock_timeout_s)
+
+
+def built_model_dir(name: str) -> Path | None:
+    """The directory of builtin model ``name`` when the cache holds a finished build, else None;
+    never builds. Raises ``ModelPathError`` for an unknown name."""
+    model = builtin_model(name)
+    model_dir, _ = cached_model_paths(name, model.recipe)
+    return model_dir if is_built(model_dir, model.recipe.digest(name)) else None
 
 
 def resolve_model_path(path: str) -> Path:

@@ -128,3 +128,20 @@ def test_dockerfile_installs_the_pinned_torch_and_the_project() -> None:
     assert "pip install --no-cache-dir --no-build-isolation -e ." in text
     for path in re.findall(r"^COPY (\S+) ", text, flags=re.MULTILINE):
         assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
+
+
+def test_redis_wants_a_password_and_every_service_gives_it() -> None:
+    redis = compose()["services"]["redis"]
+    secret = "${VERST_REDIS_PASSWORD:?set VERST_REDIS_PASSWORD}"
+    assert redis["command"][-2:] == ["--requirepass", secret]
+    assert secret in redis["healthcheck"]["test"]
+    for name, svc in app_services().items():
+        assert svc["environment"]["REDIS_URL"] == f"redis://:{secret}@redis:6379/0", name
+
+
+def test_the_api_sets_a_token_and_confines_spec_paths_to_the_volume() -> None:
+    env = app_services()["api"]["environment"]
+    assert env["VERST_API_TOKEN"] == "${VERST_API_TOKEN:?set VERST_API_TOKEN}"
+    assert env["VERST_DATA_ROOTS"] == "/data" and env["VERST_CHECKPOINT_ROOT"] == "/data"
+    assert "checkpoints:/data" in app_services()["api"]["volumes"], "the api sees the paths it checks"
+    assert "WORKDIR /data" in DOCKERFILE.read_text(), "relative checkpoint dirs land in the root"

@@ -135,6 +135,6 @@ def test_services_expose_the_contracted_rpcs() -> None:
     rollout = {"Generate", "GenerateStream", "LoadWeights", "Abort", "Pause", "Resume", "GetStatus"}
     assert methods(pb.rollout_pb2, "Rollout") == rollout
     assert {"Generate", "GenerateStream", "ListEngines", "DrainEngine"} <= methods(pb.router_pb2, "Router")
-    assert methods(pb.reward_pb2, "Reward") == {"Score", "ScoreBatch"}
+    assert methods(pb.reward_pb2, "Reward") == {"Score", "ScoreBatch", "CheckVerifier"}
     assert methods(pb.reward_pb2, "Tools") == {"Execute", "ListTools"}
     assert methods(pb.trainer_pb2, "Trainer") == {"GetStatus", "SaveCheckpoint", "Stop"}

@@ -19,7 +19,9 @@ from services.common.streams import JOBS
 @pytest.fixture
 async def app(redis_url: str) -> AsyncIterator[FastAPI]:
     # The controller is tested on its own (test_controller.py); here the api only serves REST.
-    app = create_app(ApiSettings.model_validate({"REDIS_URL": redis_url, "controller": False}))
+    app = create_app(
+        ApiSettings.model_validate({"REDIS_URL": redis_url, "controller": False, "check_specs": False})
+    )
     async with app.router.lifespan_context(app):
         yield app
 

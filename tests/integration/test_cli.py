@@ -57,6 +57,26 @@ def test_unknown_job_is_reported(api: str) -> None:
         main(["status", "nope-00000000", "--api", api])
 
 
+def test_the_client_sends_verst_api_token(
+    python: str, python_env: dict[str, str], redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = "cli-token-0123456789"
+    env = {**python_env, "VERST_API_TOKEN": token, "VERST_API_CHECK_SPECS": "false"}
+    proc, port = start(python, env, ["services.api"], "VERST_API_PORT", redis_url)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until("http", f"{url}/healthz", deadline_s=30), "api did not come up"
+        monkeypatch.delenv("VERST_API_TOKEN", raising=False)
+        with pytest.raises(SystemExit, match="set VERST_API_TOKEN"):
+            main(["status", "nope-00000000", "--api", url])
+        monkeypatch.setenv("VERST_API_TOKEN", token)
+        assert main(["submit", str(ROOT / "examples" / "addition.yaml"), "--api", url]) == 0
+        with pytest.raises(SystemExit, match="no job 'nope-00000000'"):
+            main(["status", "nope-00000000", "--api", url])
+    finally:
+        stop(proc)
+
+
 def test_console_script_is_installed() -> None:
     verst = Path(sys.executable).parent / "verst"
     result = subprocess.run([str(verst), "--help"], capture_output=True, text=True, timeout=60)

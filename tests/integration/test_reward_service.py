@@ -167,6 +167,22 @@ async def test_the_call_deadline_bounds_each_item(stub: reward_pb2_grpc.RewardSt
     assert (reply.results[1].reward, reply.results[1].error) == (1.0, "")
 
 
+async def test_check_verifier_names_what_would_score(stub: reward_pb2_grpc.RewardStub) -> None:
+    def check(name: str) -> reward_pb2.CheckVerifierRequest:
+        return reward_pb2.CheckVerifierRequest(verifier=name)
+
+    known = await stub.CheckVerifier(check("exact_match"), timeout=DEADLINE_S)
+    assert (known.ok, known.error) == (True, "") and "sleepy" in known.verifiers
+    assert (await stub.CheckVerifier(check(""), timeout=DEADLINE_S)).ok, "empty is the default"
+    assert (await stub.CheckVerifier(check(PLUGIN), timeout=DEADLINE_S)).ok
+    unknown = await stub.CheckVerifier(check("nope"), timeout=DEADLINE_S)
+    assert not unknown.ok and unknown.error.startswith("unknown verifier 'nope'; known verifiers: ")
+    missing = await stub.CheckVerifier(check("tests.no_such_module:score"), timeout=DEADLINE_S)
+    assert not missing.ok and "cannot import 'tests.no_such_module'" in missing.error
+    refused = await stub.CheckVerifier(check("os:system"), timeout=DEADLINE_S)
+    assert not refused.ok and "may not be a plugin" in refused.error
+
+
 async def test_registry_verifiers_and_plugins_in_one_batch(roomy_stub: reward_pb2_grpc.RewardStub) -> None:
     tests = json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 5"])
     items = [

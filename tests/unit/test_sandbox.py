@@ -243,7 +243,7 @@ def test_a_missing_interpreter_is_a_sandbox_error(sandbox_dir: Path) -> None:
 def test_as_root_every_layer_applies(sandboxes: Sandboxes) -> None:
     sandbox = sandboxes.start()
     try:
-        assert sandbox.layers == ["netns", "mountns", "hidepid", "uid"]
+        assert sandbox.layers == ["netns", "audit-socket", "mountns", "hidepid", "uid"]
         uid = int(
             ok(sandbox.run("import os; print(os.getuid(), os.getgid(), os.getgroups())", 5.0)).stdout.split()[
                 0

@@ -167,6 +167,31 @@ def test_sockets_reach_nothing(sandboxes: Sandboxes) -> None:
     still_works(sandboxes)
 
 
+SOCKET_CALLS = """
+import socket
+for what, call in [
+    ("socket", lambda: socket.socket()),
+    ("bind", lambda: socket.create_server(("127.0.0.1", 0))),
+    ("unix", lambda: socket.socket(socket.AF_UNIX).bind("s")),
+    ("pair", lambda: socket.socketpair()),
+]:
+    try:
+        call()
+        print(what, "allowed")
+    except OSError as err:
+        print(what, type(err).__name__)
+"""
+
+
+def test_no_socket_can_be_made_bound_or_listened_on(sandboxes: Sandboxes) -> None:
+    result, took = run(sandboxes, SOCKET_CALLS)
+    assert result.ok and took < 3.0, result.error
+    assert result.stdout.split("\n")[:4] == [
+        f"{w} PermissionError" for w in ("socket", "bind", "unix", "pair")
+    ]
+    still_works(sandboxes)
+
+
 def test_huge_output(sandboxes: Sandboxes) -> None:
     result, took = run(sandboxes, "while True:\n    print('x' * 1000)")
     assert result.kind == ErrorKind.OUTPUT_LIMIT and result.truncated and took < 2.0

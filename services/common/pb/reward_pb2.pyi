@@ -78,6 +78,22 @@ class ScoreBatchResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ScoreResponse]
     def __init__(self, results: _Optional[_Iterable[_Union[ScoreResponse, _Mapping]]] = ...) -> None: ...
 
+class CheckVerifierRequest(_message.Message):
+    __slots__ = ("verifier",)
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    verifier: str
+    def __init__(self, verifier: _Optional[str] = ...) -> None: ...
+
+class CheckVerifierResponse(_message.Message):
+    __slots__ = ("ok", "error", "verifiers")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    verifiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., verifiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ExecuteRequest(_message.Message):
     __slots__ = ("tool", "arguments_json", "session_id", "timeout_s", "call_id")
     TOOL_FIELD_NUMBER: _ClassVar[int]

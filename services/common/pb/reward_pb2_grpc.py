@@ -45,6 +45,11 @@ class RewardStub:
                 request_serializer=verst_dot_v1_dot_reward__pb2.ScoreBatchRequest.SerializeToString,
                 response_deserializer=verst_dot_v1_dot_reward__pb2.ScoreBatchResponse.FromString,
                 _registered_method=True)
+        self.CheckVerifier = channel.unary_unary(
+                '/verst.v1.Reward/CheckVerifier',
+                request_serializer=verst_dot_v1_dot_reward__pb2.CheckVerifierRequest.SerializeToString,
+                response_deserializer=verst_dot_v1_dot_reward__pb2.CheckVerifierResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServicer:
@@ -62,6 +67,12 @@ class RewardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckVerifier(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +85,11 @@ def add_RewardServicer_to_server(servicer, server):
                     servicer.ScoreBatch,
                     request_deserializer=verst_dot_v1_dot_reward__pb2.ScoreBatchRequest.FromString,
                     response_serializer=verst_dot_v1_dot_reward__pb2.ScoreBatchResponse.SerializeToString,
+            ),
+            'CheckVerifier': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckVerifier,
+                    request_deserializer=verst_dot_v1_dot_reward__pb2.CheckVerifierRequest.FromString,
+                    response_serializer=verst_dot_v1_dot_reward__pb2.CheckVerifierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +146,33 @@ class Reward:
             '/verst.v1.Reward/ScoreBatch',
             verst_dot_v1_dot_reward__pb2.ScoreBatchRequest.SerializeToString,
             verst_dot_v1_dot_reward__pb2.ScoreBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckVerifier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/verst.v1.Reward/CheckVerifier',
+            verst_dot_v1_dot_reward__pb2.CheckVerifierRequest.SerializeToString,
+            verst_dot_v1_dot_reward__pb2.CheckVerifierResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,234 @@
+"""Checks of a submitted JobSpec against the world, so that a spec which cannot run is a 422 now
+rather than a job that fails (or spins) later.
+
+``SpecChecker.check`` returns every problem as (field path, message):
+
+- paths: model.path, model.tokenizer, data.train and data.eval inside VERST_DATA_ROOTS,
+  trainer.checkpoint_dir inside VERST_CHECKPOINT_ROOT (when set; ``builtin:`` names always pass);
+- readable: a model directory with a config.json, a tokenizer directory, the data files (read as
+  the controller will read them), ``builtin:`` names that exist;
+- prompts: of the first ``check_prompts`` training prompts at least one fits
+  ``data.max_prompt_tokens`` under the job's tokenizer (skipped when no tokenizer is at hand: a
+  builtin model not built yet, or ``trust_remote_code``, whose code the api does not run);
+- reward: a ``reward.address`` the spec names answers gRPC health within ``check_timeout_s``; the
+  reward service that will score the job (that one, else the api's) knows ``reward.verifier`` or
+  can import ``reward.plugin`` (``Reward.CheckVerifier``: only the scoring process knows its
+  registry and its plugins' import path; a server without that RPC is taken at its word).
+
+A check that cannot finish within ``check_timeout_s`` is skipped with a log line: slowness is no
+proof of a bad spec, and the job's own deadlines still apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api.config import ApiSettings
+from services.common.config import JobSpec
+from services.common.grpc_client import channel
+from services.common.pb import reward_pb2, reward_pb2_grpc
+from services.tasks import (
+    BUILTIN_PREFIX,
+    DataError,
+    ModelPathError,
+    PromptExample,
+    built_model_dir,
+    builtin_model,
+    encode_prompt,
+    eval_prompts,
+    train_prompts,
+)
+
+log = logging.getLogger(__name__)
+
+Problem = tuple[tuple[str, ...], str]
+"""(field path, what is wrong)."""
+_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def _builtin(value: str | None) -> bool:
+    return value is not None and value.startswith(BUILTIN_PREFIX)
+
+
+def _inside(value: str, roots: list[Path]) -> bool:
+    resolved = Path(os.path.realpath(value))
+    return any(resolved == root or resolved.is_relative_to(root) for root in roots)
+
+
+def confinement_problems(spec: JobSpec, settings: ApiSettings) -> list[Problem]:
+    """Paths outside the configured roots."""
+    problems: list[Problem] = []
+    roots = settings.data_root_paths()
+    if roots:
+        shown = os.pathsep.join(str(root) for root in roots)
+        for path, value in _data_paths(spec):
+            if value is not None and not _builtin(value) and not _inside(value, roots):
+                problems.append((path, f"must lie in VERST_DATA_ROOTS ({shown})"))
+    root = settings.checkpoint_root_path()
+    if root is not None and not _inside(spec.trainer.checkpoint_dir, [root]):
+        problems.append((("trainer", "checkpoint_dir"), f"must lie in VERST_CHECKPOINT_ROOT ({root})"))
+    return problems
+
+
+def _data_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str | None]]:
+    return [
+        (("model", "path"), spec.model.path),
+        (("model", "tokenizer"), spec.model.tokenizer),
+        (("data", "train"), spec.data.train),
+        (("data", "eval"), spec.data.eval),
+    ]
+
+
+def readability_problems(spec: JobSpec) -> list[Problem]:
+    """Model, tokenizer and data that cannot be read (blocking: run it in a thread)."""
+    problems: list[Problem] = []
+    model = spec.model.path
+    try:
+        if _builtin(model):
+            builtin_model(model.removeprefix(BUILTIN_PREFIX))
+        elif not os.access(Path(model) / "config.json", os.R_OK):
+            problems.append((("model", "path"), f"{model!r:.200} is not a readable model directory"))
+    except ModelPathError as err:
+        problems.append((("model", "path"), str(err)))
+    tokenizer = spec.model.tokenizer
+    if tokenizer is not None and not (os.path.isdir(tokenizer) and os.access(tokenizer, os.R_OK | os.X_OK)):
+        problems.append((("model", "tokenizer"), f"{tokenizer!r:.200} is not a readable directory"))
+    readers: list[tuple[str, Callable[[], object]]] = [
+        ("train", lambda: next(train_prompts(spec.data, spec.seed))),
+        ("eval", lambda: eval_prompts(spec.data, 1)),
+    ]
+    for field, read in readers:
+        try:
+            read()
+        except DataError as err:
+            problems.append((("data", field), str(err)))
+    return problems
+
+
+def tokenizer_path(spec: JobSpec) -> str | None:
+    """Where the job's tokenizer is now, or None when the api should not or cannot load it."""
+    if spec.model.trust_remote_code:
+        return None
+    if spec.model.tokenizer is not None:
+        return spec.model.tokenizer
+    if _builtin(spec.model.path):
+        built = built_model_dir(spec.model.path.removeprefix(BUILTIN_PREFIX))
+        return None if built is None else str(built)
+    return spec.model.path
+
+
+def _load_tokenizer(path: str) -> Any:
+    with _TOKENIZER_LOCK:  # transformers' lazy imports are not thread-safe
+        if path not in _TOKENIZERS:
+            from transformers import AutoTokenizer  # slow; only when a spec is checked
+
+            if len(_TOKENIZERS) >= 8:
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        return _TOKENIZERS[path]
+
+
+def prompt_problems(spec: JobSpec, count: int) -> list[Problem]:
+    """A problem when none of the first ``count`` training prompts fits (blocking)."""
+    path = tokenizer_path(spec)
+    if path is None:
+        return []
+    field = ("model", "tokenizer") if spec.model.tokenizer is not None else ("model", "path")
+    try:
+        tokenizer = _load_tokenizer(path)
+    except (OSError, ValueError) as err:
+        return [(field, f"cannot load a tokenizer from {path!r:.200}: {err}")]
+    try:
+        sample = _first_prompts(train_prompts(spec.data, spec.seed), count)
+    except DataError:
+        return []  # readability_problems names it
+    limit = spec.data.max_prompt_tokens
+    lengths = [len(encode_prompt(tokenizer, example.text)) for example in sample]
+    if lengths and min(lengths) > limit:
+        return [
+            (
+                ("data", "max_prompt_tokens"),
+                f"every one of the first {len(lengths)} training prompts is longer than {limit} tokens "
+                f"(the shortest has {min(lengths)})",
+            )
+        ]
+    return []
+
+
+def _first_prompts(prompts: Iterator[PromptExample], count: int) -> list[PromptExample]:
+    """Up to ``count`` prompts, stopping where the (endless) source comes round to one it gave."""
+    seen: set[str] = set()
+    sample = []
+    for example in itertools.islice(prompts, count):
+        if example.prompt_id in seen:
+            break
+        seen.add(example.prompt_id)
+        sample.append(example)
+    return sample
+
+
+class SpecChecker:
+    """The submission checks of the module docstring, with the api's settings."""
+
+    def __init__(self, settings: ApiSettings) -> None:
+        self.settings = settings
+
+    async def check(self, spec: JobSpec) -> list[Problem]:
+        """Every problem found; empty when the spec may be queued."""
+        problems = confinement_problems(spec, self.settings)
+        if problems:  # do not touch paths the spec may not name
+            return problems
+        problems += await self._in_thread("reading the model and data", readability_problems, spec)
+        if not problems:
+            count = self.settings.check_prompts
+            problems += await self._in_thread("checking prompt lengths", prompt_problems, spec, count)
+        return problems + await self._reward_problems(spec)
+
+    async def _in_thread(self, what: str, check: Callable[..., list[Problem]], *args: Any) -> list[Problem]:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(check, *args), self.settings.check_timeout_s)
+        except TimeoutError:
+            log.warning("spec check skipped: %s took longer than %.3gs", what, self.settings.check_timeout_s)
+            return []
+
+    async def _reward_problems(self, spec: JobSpec) -> list[Problem]:
+        address = spec.reward.address or self.settings.reward_address
+        field = ("reward", "plugin") if spec.reward.plugin else ("reward", "verifier")
+        timeout = self.settings.check_timeout_s
+        async with channel(address) as chan:
+            if spec.reward.address is not None:
+                problem = await _health_problem(chan, address, timeout)
+                if problem:
+                    return [(("reward", "address"), problem)]
+            request = reward_pb2.CheckVerifierRequest(verifier=spec.reward.scorer)
+            try:
+                reply = await reward_pb2_grpc.RewardStub(chan).CheckVerifier(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("spec check skipped: CheckVerifier at %s: %s", address, err.code().name)
+                return []
+        return [] if reply.ok else [(field, reply.error)]
+
+
+async def _health_problem(chan: grpc.aio.Channel, address: str, timeout: float) -> str:
+    """Why ``address`` cannot serve, or "" (a server without the health service passes)."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        return f"the reward service at {address!r} is unreachable: {err.code().name}"
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"the reward service at {address!r} is not serving"
+    return ""
