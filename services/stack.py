@@ -70,13 +70,13 @@ class StackConfig:
 
 
 def thread_split(engines: int, cores: int) -> dict[str, str]:
-    """Torch threads for the trainer and each engine so that together they use the host's cores
-    once: half for the trainer, the rest shared by the engines, at least one each. Two processes
-    whose torch threads oversubscribe the cores spin against each other; the environment (or
-    ``extra_env``) overrides these."""
-    trainer = max(1, cores // 2)
-    engine = max(1, (cores - trainer) // max(1, engines))
-    return {"VERST_TRAINER_TORCH_THREADS": str(trainer), "VERST_ENGINE_TORCH_THREADS": str(engine)}
+    """Torch threads for the trainer and each engine: every core for the trainer, the busy stage
+    (the engines keep ``max_staleness`` versions of work ahead of it and wait on it), and half
+    the cores shared by the engines, at least one each. Torch's default (every core for every
+    process) has the engines' and the trainer's OpenMP teams spin against each other; the
+    environment (or ``extra_env``) overrides these."""
+    engine = max(1, cores // 2 // max(1, engines))
+    return {"VERST_TRAINER_TORCH_THREADS": str(max(1, cores)), "VERST_ENGINE_TORCH_THREADS": str(engine)}
 
 
 class Stack:

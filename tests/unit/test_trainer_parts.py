@@ -382,7 +382,7 @@ def test_stage_times_are_the_means_of_the_groups_stamps() -> None:
 
 @pytest.mark.parametrize(
     ("engines", "cores", "trainer", "engine"),
-    [(1, 2, 1, 1), (1, 8, 4, 4), (2, 8, 4, 2), (3, 2, 1, 1), (1, 1, 1, 1)],
+    [(1, 2, 2, 1), (1, 8, 8, 4), (2, 8, 8, 2), (3, 2, 2, 1), (1, 1, 1, 1)],
 )
 def test_the_local_stack_splits_the_cores_between_trainer_and_engines(
     engines: int, cores: int, trainer: int, engine: int
