@@ -32,11 +32,11 @@ DIFFERENCES = """
 Differences between the sides that the race does not remove:
 
 - verst overlaps rollout and training (`algorithm.max_staleness`, see the settings above): a
-  step's samples may come from the policy one version behind, trained on without an importance
-  correction (`tis_cap` off); TRL samples each step with the current weights. On both sides the
-  ratio's denominator is the trainer's own logprobs under the weights before the step, so with one
-  optimiser step per batch the ratio is 1 and the clip never acts; verst computes those logprobs
-  in a forward pass of its own, TRL reuses the step's (the same values).
+  step's samples may come from the policy one version behind, each token's loss weighed by decoupled
+  PPO's behaviour weight p_old / p_behaviour (capped at 5; `off_policy_correction`, the default);
+  TRL samples each step with the current weights. On both sides the ratio's denominator is the
+  trainer's own logprobs under the weights before the step, taken from the training forward itself
+  (one optimiser step per batch), so the ratio is 1 and the clip never acts.
 - Advantages: both (r - group mean) / (group std + eps) with the unbiased std; eps is 1e-6 in
   verst, 1e-4 in TRL.
 - Sampling: verst's engine samples with its own RNG (seeded by the job's seed), TRL with
