@@ -98,12 +98,20 @@ class _Worker:
                     continue
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise MathWorkerError(f"the math-verify worker exited with status {self.proc.wait()}")
+                    raise MathWorkerError(f"the math-verify worker exited with status {self._exit_status()}")
                 self._buffer += chunk
                 if len(self._buffer) > REPLY_MAX_BYTES:
                     raise MathWorkerError("the math-verify worker wrote an overlong reply")
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
+
+    def _exit_status(self) -> int | str:
+        """The worker's exit status; it closed its output, so it is exiting (waited for briefly)."""
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "unknown (it closed its output but did not exit; killed)"
 
     @property
     def alive(self) -> bool:

@@ -35,6 +35,9 @@ class EngineSettings(ServiceSettings):
     version_wait_s: float = Field(10.0, gt=0.0, le=600.0)
     """Longest a Generate waits for the version of its job's weights it requires
     (min_policy_version) before it fails FAILED_PRECONDITION (the runner retries)."""
+    max_pause_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """Longest a Pause holds the engine without a Resume: then it resumes by itself and says so
+    (a caller that died between the two must not leave the engine idle for good)."""
     heartbeat_s: float = Field(1.0, gt=0.0, le=60.0)
     """Seconds between heartbeats into the engine registry (keep well below the router's ttl)."""
     torch_threads: int = Field(0, ge=0, le=1024)

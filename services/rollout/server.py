@@ -77,7 +77,12 @@ class EngineApp:
         self.watcher = WeightWatcher(redis, self.loader, settings.weight_poll_s)
         self.heartbeat = Heartbeat(EngineRegistry(redis), self.info, settings.heartbeat_s)
         self.servicer = RolloutServicer(
-            engine, self.loader, self.info, self.metrics, version_wait_s=settings.version_wait_s
+            engine,
+            self.loader,
+            self.info,
+            self.metrics,
+            version_wait_s=settings.version_wait_s,
+            max_pause_s=settings.max_pause_s,
         )
 
     @property

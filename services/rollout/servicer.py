@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from services.rollout.engine_protocol import (
 from services.rollout.metrics import EngineMetrics
 from services.rollout.sampling import SamplingConfig
 from services.rollout.watcher import WeightLoader
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "verst.v1.Rollout"
 
@@ -174,9 +177,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         metrics: EngineMetrics,
         *,
         version_wait_s: float = 10.0,
+        max_pause_s: float = 300.0,
     ) -> None:
         self.engine = engine
         self.version_wait_s = version_wait_s
+        self.max_pause_s = max_pause_s
+        self._pause_expiry: asyncio.Task[None] | None = None
+        """Resumes the engine ``max_pause_s`` after the newest Pause unless a Resume came first."""
         self.loader = loader
         self.info = info
         self.metrics = metrics
@@ -308,14 +315,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> rollout_pb2.PauseResponse:
         async with engine_errors(context):
             aborted = await self.engine.pause(abort_inflight=request.abort_inflight)
+        self._cancel_pause_expiry()
+        self._pause_expiry = asyncio.create_task(self._expire_pause(), name="pause expiry")
         return rollout_pb2.PauseResponse(aborted=aborted)
 
     async def Resume(
         self, request: rollout_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ResumeResponse:
+        self._cancel_pause_expiry()
         async with engine_errors(context):
             await self.engine.resume()
         return rollout_pb2.ResumeResponse()
+
+    def _cancel_pause_expiry(self) -> None:
+        if self._pause_expiry is not None:
+            self._pause_expiry.cancel()
+            self._pause_expiry = None
+
+    async def _expire_pause(self) -> None:
+        await asyncio.sleep(self.max_pause_s)
+        log.warning(
+            "engine %s: paused for %.0fs without a Resume; resuming", self.engine_id, self.max_pause_s
+        )
+        self._pause_expiry = None
+        await self.engine.resume()
 
     async def GetStatus(
         self, request: rollout_pb2.GetEngineStatusRequest, context: grpc.aio.ServicerContext

@@ -142,8 +142,7 @@ class Runner:
 
     async def _consume(self, loop: JobLoop) -> None:
         consumer = self._prompt_consumer(loop.record.job_id)
-        while not loop.stop.is_set():
-            await self._slots.acquire()
+        while await self._take_slot(loop.stop):
             try:
                 deliveries = await consumer.poll()
             except Exception:
@@ -157,6 +156,22 @@ class Runner:
             task = asyncio.create_task(self._process(loop, consumer, deliveries[0]))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
+
+    async def _take_slot(self, stop: asyncio.Event) -> bool:
+        """Wait for a free slot (True) or for ``stop`` (False, holding no slot)."""
+        acquiring = asyncio.ensure_future(self._slots.acquire())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not acquiring.done():
+            acquiring.cancel()
+        await asyncio.wait({acquiring})
+        if acquiring.cancelled():
+            return False
+        if stop.is_set():
+            self._slots.release()
+            return False
+        return True
 
     async def _process(
         self,

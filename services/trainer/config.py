@@ -33,6 +33,8 @@ class TrainerSettings(ServiceSettings):
     message; every trainer that dies redelivers what it held (a job, unacked trajectories)."""
     keepalive_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How often the trainer renews its claim on its job and on buffered trajectories."""
+    stop_wait_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Longest a Stop call waits for the job to end at its step boundary (it ends all the same)."""
     distributed_timeout_s: float = Field(600.0, ge=10.0, le=86_400.0)
     """Deadline of one collective operation between trainer ranks (under torchrun): a rank that
     waits longer for the others fails; an idle rank 0 pings the others every quarter of it."""

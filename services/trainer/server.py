@@ -54,6 +54,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             handle = await self.worker.stop_job(request.reason)
         except NoJobError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except TimeoutError as err:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         return trainer_pb2.StopTrainerResponse(last_checkpoint=handle)
 
 

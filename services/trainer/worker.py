@@ -185,5 +185,10 @@ class TrainerWorker:
         done = self._job_done
         self.progress.state = trainer_pb2.TRAINER_STATE_STOPPING
         run.control.stop(JobStopped(StopKind.REQUESTED, reason or "stopped through the Trainer service"))
-        await done.wait()
+        try:
+            await asyncio.wait_for(done.wait(), self.settings.stop_wait_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the job did not end within {self.settings.stop_wait_s:.0f}s; it stops after its step"
+            ) from None
         return self.last_checkpoint

@@ -4,6 +4,7 @@ stream, logprobs against a full forward pass, sampling controls, batching, abort
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -256,6 +257,29 @@ async def test_weights_change_between_decode_steps(engine: RunningEngine, tmp_pa
     assert len(versions) == 200 and completion.finish_reason == LENGTH
     switch = versions.index(1)
     assert switch > 0 and versions == [0] * switch + [1] * (200 - switch)
+
+
+async def test_a_pause_without_resume_ends_by_itself(engine: RunningEngine) -> None:
+    """A caller that paused the engine and died does not leave it holding requests for good."""
+    engine.app.servicer.max_pause_s = 0.5
+    call = asyncio.ensure_future(
+        generate(engine, PROMPTS[0], temperature=1.0, seed=3, max_new_tokens=100, ignore_eos=True)
+    )
+
+    async def state() -> int:
+        return (await engine.stub.GetStatus(rollout_pb2.GetEngineStatusRequest(), timeout=5)).state
+
+    async def running() -> bool:
+        info = await engine.stub.GetStatus(rollout_pb2.GetEngineStatusRequest(), timeout=5)
+        return info.running_requests == 1
+
+    await eventually(running, what="the request to run")
+    await engine.stub.Pause(rollout_pb2.PauseRequest(), timeout=5)
+    paused_at = time.monotonic()
+    assert await state() == common_pb2.ENGINE_STATE_PAUSED
+    completion = (await asyncio.wait_for(call, 30)).completions[0]
+    assert time.monotonic() - paused_at >= 0.5 and len(completion.token_ids) == 100
+    assert await state() == common_pb2.ENGINE_STATE_SERVING
 
 
 async def test_abort_returns_the_tokens_so_far(engine: RunningEngine, tmp_path: Path) -> None:
