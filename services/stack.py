@@ -175,17 +175,8 @@ class Stack:
     def wait_ready(self) -> None:
         """Block until every child is healthy; raise naming the one that died or hung."""
         deadline = time.monotonic() + self.config.ready_timeout_s
-        pending = list(self.children)
-        while pending:
-            self.check_alive()
-            kind, target = pending[0].health
-            if (grpc_serving if kind == "grpc" else http_ok)(target):
-                pending.pop(0)
-                continue
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{pending[0].name} not healthy after {self.config.ready_timeout_s}s: "
-                                   f"{self.log_tail(pending[0].name)}")  # fmt: skip
-            time.sleep(0.2)
+        for child in list(self.children):
+            self._wait_healthy(child, deadline)
 
     def check_alive(self) -> None:
         """Raise if a child exited, with the end of its log."""
@@ -193,6 +184,41 @@ class Stack:
             if child.process is not None and child.process.poll() is not None:
                 status = child.process.returncode
                 raise RuntimeError(f"{child.name} exited with status {status}:\n{self.log_tail(child.name)}")
+
+    def restart(self, name: str, *, kill: bool = True) -> None:
+        """Stop one child (SIGKILL, or SIGTERM with ``kill=False``) and start it again with the same
+        command, environment and ports; returns once it is healthy again."""
+        [child] = [c for c in self.children if c.name == name]
+        assert child.process is not None
+        if kill:
+            child.process.kill()
+        else:
+            child.process.terminate()
+        child.process.wait(timeout=STOP_TIMEOUT_S)
+        if child.log_file is not None:
+            child.log_file.close()
+        self.children.remove(child)
+        again = Child(child.name, child.args, child.env, child.health)
+        self._spawn(again)
+        self._wait_healthy(again, time.monotonic() + self.config.ready_timeout_s)
+
+    def restart_redis(self, down_s: float) -> None:
+        """Stop the embedded Redis (SIGTERM: it flushes its append-only file), keep it down for
+        ``down_s``, and start it again on the same port from that file."""
+        if self.redis is None or self.redis.data_dir is None:
+            raise RuntimeError("only an embedded Redis with a data directory can be restarted")
+        self.redis.stop()
+        time.sleep(down_s)
+        self.redis.start()
+
+    def _wait_healthy(self, child: Child, deadline: float) -> None:
+        kind, target = child.health
+        while not (grpc_serving if kind == "grpc" else http_ok)(target):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name} not healthy after {self.config.ready_timeout_s}s: "
+                                   f"{self.log_tail(child.name)}")  # fmt: skip
+            time.sleep(0.2)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.config.log_dir / f"{name}.log"

@@ -440,7 +440,7 @@ class JobDriver:
             (self._batches, self._extra + len(tasks)) if extra else (self._batches + 1, self._extra)
         )
         for task in tasks:
-            task.policy_version = self.latest_version
+            task.policy_version, task.policy_epoch = self.latest_version, self._epoch[0]
         await self.store.publish_prompts(self.job_id, tasks, batches=batches, extra=extras)
         what = (
             f"{len(tasks)} replacement prompts" if extra else f"batch {self._batches} ({len(tasks)} prompts)"

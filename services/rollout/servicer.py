@@ -200,7 +200,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 f"{len(request.prompt_token_ids)} tokens"
             )
         if request.min_policy_version > 0 and request.job_id:
-            version = request.min_policy_version
+            version = (request.min_policy_epoch, request.min_policy_version)
             await self.loader.wait_for_version(request.job_id, version, self.version_wait_s)
         delivery = Delivery(asyncio.get_running_loop(), self.metrics)
         generation = GenerationRequest(

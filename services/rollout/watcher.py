@@ -82,14 +82,21 @@ class WeightLoader:
         self._loaded = asyncio.Condition()
         """Notified after every load: the requests waiting for a version look again."""
 
-    def serves(self, job_id: str, version: int) -> bool:
-        """Whether the engine serves ``job_id``'s weights at ``version`` or newer."""
+    def serves(self, job_id: str, version: tuple[int, int]) -> bool:
+        """Whether the engine serves ``job_id``'s weights at ``version`` (epoch, version) or newer:
+        a later epoch (a resumed trainer's lineage) is newer than every version of an earlier one,
+        an earlier epoch older than every version of a later one; epoch 0 compares versions alone."""
         status = self.engine.status()
-        return status.job_id == job_id and status.policy_version >= version
+        if status.job_id != job_id:
+            return False
+        epoch = self.served.epoch if self.served is not None and self.served.job_id == job_id else 0
+        if version[0] and epoch:
+            return (epoch, status.policy_version) >= version
+        return status.policy_version >= version[1]
 
-    async def wait_for_version(self, job_id: str, version: int, timeout_s: float) -> None:
-        """Return once the engine serves ``job_id`` at ``version`` or newer (the watcher loads a
-        new handle as soon as it is published); StaleWeightsError after ``timeout_s``."""
+    async def wait_for_version(self, job_id: str, version: tuple[int, int], timeout_s: float) -> None:
+        """Return once the engine serves ``job_id`` at ``version`` (epoch, version) or newer (the
+        watcher loads a new handle as soon as it is published); StaleWeightsError after ``timeout_s``."""
         if self.serves(job_id, version):
             return
         try:
@@ -98,7 +105,7 @@ class WeightLoader:
         except TimeoutError:
             status = self.engine.status()
             raise StaleWeightsError(
-                f"the request needs {job_id} v{version} or newer; the engine serves "
+                f"the request needs {job_id} v{version[1]} (epoch {version[0]}) or newer; the engine serves "
                 f"{status.job_id or 'no job'} v{status.policy_version} after waiting {timeout_s:.1f}s"
             ) from None
 

@@ -171,6 +171,7 @@ class Episode:
             session_id=group.session_id,  # the engine that holds the group's prefix
             job_id=group.job_id,
             min_policy_version=group.min_policy_version,
+            min_policy_epoch=group.min_policy_epoch,
         )
 
     async def _observe(self, calls: list[ToolCall]) -> list[int]:

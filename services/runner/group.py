@@ -169,6 +169,7 @@ def group_request(task: common_pb2.PromptTask, stop: list[str] | None = None) ->
         job_id=task.job_id,
         # the trainer's version when the task was issued: no older weights sample it
         min_policy_version=task.policy_version,
+        min_policy_epoch=task.policy_epoch,
     )
 
 
@@ -272,6 +273,7 @@ def _resume_request(
         job_id=first.job_id,
         resume_offset=len(first.prompt_token_ids),
         min_policy_version=first.min_policy_version,
+        min_policy_epoch=first.min_policy_epoch,
     )
 
 

@@ -272,17 +272,34 @@ async def test_a_request_waits_for_the_version_it_needs_until_it_loads(tmp_path:
     (tmp_path / CONFIG_FILE).write_text("{}")
     engine = VersionedEngine()
     loader = WeightLoader(engine, 5.0)
-    await loader.wait_for_version("job", 1, timeout_s=0.01)  # served already: no wait
-    waiting = asyncio.create_task(loader.wait_for_version("job", 2, timeout_s=5.0))
+    await loader.wait_for_version("job", (0, 1), timeout_s=0.01)  # served already: no wait
+    waiting = asyncio.create_task(loader.wait_for_version("job", (0, 2), timeout_s=5.0))
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    handle = common_pb2.CheckpointHandle(job_id="job", version=2, uri=tmp_path.as_uri(), sha256="ab")
+    handle = common_pb2.CheckpointHandle(job_id="job", epoch=1, version=2, uri=tmp_path.as_uri(), sha256="ab")
     await loader.load(handle, rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
     await asyncio.wait_for(waiting, 1.0)  # woken by the load, long before its deadline
-    with pytest.raises(StaleWeightsError, match="needs job v3 or newer; the engine serves job v2"):
-        await loader.wait_for_version("job", 3, timeout_s=0.05)
+    with pytest.raises(
+        StaleWeightsError, match=r"needs job v3 \(epoch 1\) or newer; the engine serves job v2"
+    ):
+        await loader.wait_for_version("job", (1, 3), timeout_s=0.05)
     with pytest.raises(StaleWeightsError, match="needs other v1"):
-        await loader.wait_for_version("other", 1, timeout_s=0.05)
+        await loader.wait_for_version("other", (0, 1), timeout_s=0.05)
+
+
+async def test_a_later_epoch_satisfies_any_version_of_an_earlier_one(tmp_path: Path) -> None:
+    """A trainer resumed from an older durable checkpoint publishes lower versions in a new
+    epoch: a task issued at v9 of epoch 1 must not wait for the new lineage to reach v9."""
+    (tmp_path / WEIGHTS_FILE).write_bytes(b"w")
+    (tmp_path / CONFIG_FILE).write_text("{}")
+    loader = WeightLoader(VersionedEngine(), 5.0)
+    handle = common_pb2.CheckpointHandle(job_id="job", epoch=2, version=5, uri=tmp_path.as_uri(), sha256="ab")
+    await loader.load(handle, rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE)
+    await loader.wait_for_version("job", (1, 9), timeout_s=0.01)
+    with pytest.raises(StaleWeightsError, match=r"needs job v9 \(epoch 2\)"):
+        await loader.wait_for_version("job", (2, 9), timeout_s=0.05)
+    with pytest.raises(StaleWeightsError, match=r"needs job v2 \(epoch 3\)"):  # the old lineage's v5
+        await loader.wait_for_version("job", (3, 2), timeout_s=0.05)
 
 
 async def test_generate_for_a_version_not_loaded_in_time_is_failed_precondition() -> None:

@@ -90,7 +90,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptTask(_message.Message):
-    __slots__ = ("prompt_id", "job_id", "group_id", "prompt_token_ids", "prompt_text", "n_samples", "sampling", "answer", "verifier", "split", "policy_version", "max_turns", "tools", "attempt", "metadata", "created_at")
+    __slots__ = ("prompt_id", "job_id", "group_id", "prompt_token_ids", "prompt_text", "n_samples", "sampling", "answer", "verifier", "split", "policy_version", "max_turns", "tools", "attempt", "metadata", "created_at", "policy_epoch")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class PromptTask(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     job_id: str
     group_id: str
@@ -130,7 +131,8 @@ class PromptTask(_message.Message):
     attempt: int
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    policy_epoch: int
+    def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_epoch: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at", "stages")

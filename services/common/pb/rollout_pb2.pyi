@@ -19,7 +19,7 @@ WEIGHT_UPDATE_MODE_CONTINUE: WeightUpdateMode
 WEIGHT_UPDATE_MODE_ABORT: WeightUpdateMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_id", "job_id", "resume_offset", "min_policy_version")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_id", "job_id", "resume_offset", "min_policy_version", "min_policy_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerateRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -34,7 +35,8 @@ class GenerateRequest(_message.Message):
     job_id: str
     resume_offset: int
     min_policy_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
+    min_policy_epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., min_policy_epoch: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "policy_versions", "finish_reason", "error")
