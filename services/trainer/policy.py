@@ -250,6 +250,14 @@ def save_weights_file(module: Any, directory: Path) -> None:
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
+def loaded(what: str, path: str | Path, auto: Any, trust_remote_code: bool) -> Any:
+    """``auto.from_pretrained(path)``; a failure is a ValueError that says what did not load."""
+    try:
+        return auto.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # corrupt weights, a config transformers cannot read, missing files
+        raise ValueError(f"cannot load the {what} from {path}: {type(err).__name__}: {err}") from err
+
+
 class Policy:
     """A DeepSpeed-wrapped causal LM with its tokenizer."""
 
@@ -295,10 +303,10 @@ class Policy:
         except (ValueError, AssertionError) as err:
             raise ValueError(f"trainer.deepspeed: DeepSpeed rejects the merged config: {err}") from None
         trust = spec.model.trust_remote_code
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust)
+        tokenizer = loaded("tokenizer", tokenizer_dir, AutoTokenizer, trust)
         torch.manual_seed(spec.seed)
         # fp32 master weights; DeepSpeed casts the module itself when bf16 or fp16 is on.
-        model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust).float()
+        model = loaded("model", model_dir, AutoModelForCausalLM, trust).float()
         packed = trainer.packing and packing_works(model, "policy")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay

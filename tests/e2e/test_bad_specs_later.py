@@ -68,7 +68,7 @@ def plugin_always_raises(tmp_path: Path) -> dict[str, Any]:
 
 
 CASES: list[tuple[str, Callable[[Path], dict[str, Any]], str]] = [
-    ("weights that do not load", broken_weights, "safetensors"),
+    ("weights that do not load", broken_weights, "cannot load the model from"),
     ("checkpoint_dir is a file", checkpoint_dir_is_a_file, "a-file"),
     ("deepspeed rejects the config", deepspeed_rejects, "stage"),
     ("a reward plugin that always raises", plugin_always_raises, "the reward plugin always fails"),
