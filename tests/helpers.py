@@ -80,3 +80,25 @@ def lineage_trained_ids(job_dir: Path) -> list[str]:
         ids.extend(saved[version].consumed)
         version = saved[version].since_version
     return ids
+
+
+async def metrics_of(bus: Bus, job_id: str) -> dict[int, dict[str, float]]:
+    """The trainer's metrics of a job so far, merged per step."""
+    from services.common.pb import common_pb2
+    from services.common.streams import JobStreams
+
+    found = await stream_messages(bus, JobStreams(job_id).metrics, common_pb2.Metric)
+    assert all(m.source == "trainer" and m.policy_version == m.step for m in found)
+    merged: dict[int, dict[str, float]] = {}
+    for metric in found:
+        merged.setdefault(metric.step, {}).update(metric.values)
+    return merged
+
+
+async def step_metrics(bus: Bus, job_id: str, step: int, timeout_s: float = 60.0) -> dict[str, float]:
+    """One step's trainer metrics, once published (they follow the step's checkpoint handle)."""
+
+    async def found() -> dict[str, float] | None:
+        return (await metrics_of(bus, job_id)).get(step)
+
+    return await eventually(found, f"metrics of step {step} of {job_id}", timeout_s=timeout_s)

@@ -27,7 +27,7 @@ from services.trainer.policy import Policy, init_distributed
 from services.trainer.prepare import base_samples, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import k3
-from tests.helpers import lineage_trained_ids
+from tests.helpers import lineage_trained_ids, metrics_of
 from tests.integration.rollout_helpers import tiny_llama
 from tests.integration.test_trainer import (
     CPU,
@@ -35,7 +35,6 @@ from tests.integration.test_trainer import (
     encode,
     final_status,
     make_group,
-    metrics_of,
     model_dir,  # noqa: F401 (a fixture)
     response_logprobs,
     submit,

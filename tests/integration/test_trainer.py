@@ -34,7 +34,7 @@ from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.server import registrar
 from services.trainer.worker import TrainerWorker
-from tests.helpers import eventually, lineage_trained_ids, serve, stream_messages
+from tests.helpers import eventually, lineage_trained_ids, metrics_of, serve, step_metrics, stream_messages
 from tests.integration.rollout_helpers import tiny_llama
 
 FAST_SETTINGS: dict[str, Any] = {
@@ -261,24 +261,6 @@ def same_weights(a: Path, b: Path) -> bool:
     return all(torch.equal(left[k], right[k]) for k in left)
 
 
-async def metrics_of(bus: Bus, job_id: str) -> dict[int, dict[str, float]]:
-    found = await stream_messages(bus, JobStreams(job_id).metrics, common_pb2.Metric)
-    assert all(m.source == "trainer" and m.policy_version == m.step for m in found)
-    merged: dict[int, dict[str, float]] = {}
-    for metric in found:
-        merged.setdefault(metric.step, {}).update(metric.values)
-    return merged
-
-
-async def step_metrics(bus: Bus, job_id: str, step: int) -> dict[str, float]:
-    """One step's metrics, once published (they follow the step's checkpoint handle)."""
-
-    async def found() -> dict[str, float] | None:
-        return (await metrics_of(bus, job_id)).get(step)
-
-    return await eventually(found, f"metrics of step {step} of {job_id}", timeout_s=DEADLINE_S)
-
-
 async def trainer_signals(bus: Bus, job_id: str) -> list[common_pb2.TrainerSignal]:
     """The trainer's signals to the controller (groups it dropped), oldest first."""
     return await stream_messages(bus, JobStreams(job_id).control, common_pb2.TrainerSignal)
@@ -396,7 +378,7 @@ async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path:
         await bus.publish_many(JobStreams("stopped").trajectories, groups)
         v1 = await checkpoint(bus, "stopped", 1)  # weights only: the step's trajectories stay unacked
         assert not (tmp_path / "stopped" / "v000001").exists()
-        step = await step_metrics(bus, "stopped", 1)
+        step = await step_metrics(bus, "stopped", 1, DEADLINE_S)
         assert step["checkpoint_seconds"] == 0 and 0 < step["publish_seconds"] < step["step_seconds"]
         # The config and tokenizer files are linked from v0: the step wrote little but the weights.
         assert v1.size_bytes <= step["bytes_written"] < 1.05 * v1.size_bytes
