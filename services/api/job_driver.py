@@ -152,6 +152,7 @@ class JobDriver:
             handle = await self.deps.bus.latest(self.streams.checkpoints, common_pb2.CheckpointHandle)
             if handle is not None:
                 self._first_handle.set_result(handle)
+                self._epoch = (handle.epoch, handle.version)
         log.info("driving %s (%s)", self.job_id, "resumed" if self.resumed else "new")
         self._metrics_task = asyncio.create_task(self._follow_metrics())
         followers = [self._follow_checkpoints, self._follow_status, self._follow_control]
@@ -440,7 +441,8 @@ class JobDriver:
             (self._batches, self._extra + len(tasks)) if extra else (self._batches + 1, self._extra)
         )
         for task in tasks:
-            task.policy_version, task.policy_epoch = self.latest_version, self._epoch[0]
+            # the current lineage's newest version: after a resume it may be below latest_version
+            task.policy_epoch, task.policy_version = self._epoch
         await self.store.publish_prompts(self.job_id, tasks, batches=batches, extra=extras)
         what = (
             f"{len(tasks)} replacement prompts" if extra else f"batch {self._batches} ({len(tasks)} prompts)"

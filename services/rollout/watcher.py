@@ -79,8 +79,9 @@ class WeightLoader:
         self._lock = asyncio.Lock()
         self.served: common_pb2.CheckpointHandle | None = None
         """The handle of the weights last loaded (None: the engine's own)."""
-        self._loaded = asyncio.Condition()
-        """Notified after every load: the requests waiting for a version look again."""
+        self._loaded = asyncio.Event()
+        """Set (and replaced by a fresh one) after every load: the requests waiting for a version
+        look again. An event, not a condition: a waiter cancelled mid-wait holds no lock."""
 
     def serves(self, job_id: str, version: tuple[int, int]) -> bool:
         """Whether the engine serves ``job_id``'s weights at ``version`` (epoch, version) or newer:
@@ -97,17 +98,18 @@ class WeightLoader:
     async def wait_for_version(self, job_id: str, version: tuple[int, int], timeout_s: float) -> None:
         """Return once the engine serves ``job_id`` at ``version`` (epoch, version) or newer (the
         watcher loads a new handle as soon as it is published); StaleWeightsError after ``timeout_s``."""
-        if self.serves(job_id, version):
-            return
-        try:
-            async with self._loaded:
-                await asyncio.wait_for(self._loaded.wait_for(lambda: self.serves(job_id, version)), timeout_s)
-        except TimeoutError:
-            status = self.engine.status()
-            raise StaleWeightsError(
-                f"the request needs {job_id} v{version[1]} (epoch {version[0]}) or newer; the engine serves "
-                f"{status.job_id or 'no job'} v{status.policy_version} after waiting {timeout_s:.1f}s"
-            ) from None
+        deadline = time.monotonic() + timeout_s
+        while not self.serves(job_id, version):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = self.engine.status()
+                raise StaleWeightsError(
+                    f"the request needs {job_id} v{version[1]} (epoch {version[0]}) or newer; the engine"
+                    f" serves {status.job_id or 'no job'} v{status.policy_version} after waiting"
+                    f" {timeout_s:.1f}s"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._loaded.wait(), left)
 
     async def load(
         self, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float | None = None
@@ -121,8 +123,8 @@ class WeightLoader:
             update = delivered.update
             self.served = handle
             seconds = time.monotonic() - started
-        async with self._loaded:
-            self._loaded.notify_all()
+        self._loaded.set()
+        self._loaded = asyncio.Event()
         latency = None
         if handle.HasField("created_at") and handle.created_at.seconds:
             latency = time.time() - handle.created_at.ToNanoseconds() / 1e9

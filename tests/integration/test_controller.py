@@ -295,6 +295,28 @@ async def test_reissued_versions_of_a_resumed_trainer_are_progress_and_resumes_a
     assert "no new policy version" in (await trainer.store.get(trainer.job_id)).reason
 
 
+async def test_prompts_issued_after_a_resume_name_the_new_lineage_and_its_version(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    """A trainer resumed from durable v1 after v2 publishes epoch 2's v1: a replacement prompt
+    must ask for epoch 2's v1 or newer, not v2, which that lineage has not reached."""
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    await controllers.start()
+    for version in (0, 1, 2):
+        await trainer.publish_version(version, epoch=1)
+    issued = await trainer.wait_for_prompts(8)
+    assert [(p.policy_epoch, p.policy_version) for p in issued][-2:] == [(1, 2), (1, 2)]
+    await trainer.publish_version(1, epoch=2)
+    await asyncio.sleep(0.3)
+    await trainer.report_drops(1, stale=1)
+    replacement = (await trainer.wait_for_prompts(9))[-1]
+    assert replacement.attempt > 0 or "extra" in replacement.prompt_id
+    assert (replacement.policy_epoch, replacement.policy_version) == (2, 1)
+
+
 async def test_a_job_without_a_trainer_times_out_in_the_queue(
     bus: Bus,
     tokenizer_dir: Path,
