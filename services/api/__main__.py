@@ -1,4 +1,5 @@
-"""`python -m services.api`: the REST api, served by uvicorn."""
+"""`python -m services.api`: the REST api, served by uvicorn; it exits with status 3 once it has been
+unhealthy for VERST_API_UNHEALTHY_EXIT_S (services/api/health.py), so that its supervisor restarts it."""
 
 import logging
 import signal
@@ -24,7 +25,7 @@ if __name__ == "__main__":
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _after_shutdown)
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, exit_when_unhealthy=True),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

@@ -24,6 +24,19 @@ class ApiSettings(RolloutClientSettings):
     """How often the controller looks for new, cancelled and finished jobs."""
     queue_timeout_s: float = Field(86_400.0, ge=1.0, le=30 * 86_400.0)
     """How long a queued job may wait for its first checkpoint (v0) before it fails."""
+    request_connections: int = Field(32, ge=1, le=10_000)
+    """Redis connections the request handlers may hold at once: a pool of their own, which the
+    job drivers' blocking reads cannot use up."""
+    request_timeout_s: float = Field(5.0, gt=0.0, le=300.0)
+    """How long a request waits for a free connection and for each Redis reply before it is a 503."""
+    metrics_refresh_s: float = Field(1.0, ge=0.0, le=300.0)
+    """/metrics reads the job gauges from the store at most this often (scrapes in between get the
+    last reading)."""
+    controller_stall_s: float = Field(60.0, ge=1.0, le=86_400.0)
+    """/healthz is a 503 once the controller has not finished a poll for this long."""
+    unhealthy_exit_s: float = Field(180.0, ge=0.0, le=86_400.0)
+    """`python -m services.api` exits (status 3) for its supervisor once it has been unhealthy, or its
+    event loop stuck, this long; longer than a Redis outage the services ride through; 0: never."""
     stall_timeout_s: float = Field(600.0, ge=1.0, le=7 * 86_400.0)
     """How long a running job may go without a new policy version before it fails."""
     eval_engine_timeout_s: float = Field(300.0, ge=0.1, le=86_400.0)

@@ -1,10 +1,14 @@
 """The job controller: runs inside the api process and drives every unfinished job.
 
-``Controller.run`` polls the job store every ``poll_interval_s``. Each QUEUED
-or RUNNING job that this process does not drive yet gets a ``JobDriver``
-(services/api/job_driver.py), so jobs are picked up again after an api
-restart; the driver of a job that finished elsewhere (a cancel through the
-api) is stopped. A driver that crashed is started again after a pause.
+``Controller.run`` polls the job store every ``poll_interval_s``, in two round trips
+whatever the number of jobs (``JobStore.active_overview``: states, submit times, and
+whether each job's trainer has published a checkpoint or status yet). A QUEUED job
+costs nothing else: it gets a ``JobDriver`` (services/api/job_driver.py), with its
+blocking stream reads, only once its trainer has spoken, and one that waits past
+``queue_timeout_s`` fails here without ever getting one. Each RUNNING job that this
+process does not drive yet gets a driver, so jobs are picked up again after an api
+restart; the driver of a job that finished elsewhere (a cancel through the api) is
+stopped. A driver that crashed is started again after a pause.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ import logging
 import time
 
 from services.api.config import ApiSettings
-from services.api.job_driver import DriverDeps, JobDriver
+from services.api.job_driver import DriverDeps, JobDriver, queue_timeout_reason
 from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
 from services.common.consumer import consumer_name
-from services.common.jobs import JobStore
+from services.common.jobs import FAILED, QUEUED, ActiveJob, JobNotFoundError, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ class Controller:
         self._drivers: dict[str, tuple[JobDriver, asyncio.Task[None]]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._restart_at: dict[str, float] = {}
+        self.last_poll = time.monotonic()
+        """time.monotonic() when the last poll finished, well or not (/healthz watches it)."""
         self.stubs = ServiceStubs(settings.router_address, settings.reward_address)
         self._deps = DriverDeps(bus, store, self.stubs, settings, metrics, self.consumer)
 
@@ -62,14 +68,39 @@ class Controller:
                     await self.sync()
                 except Exception:  # a Redis outage must not end the controller: try again next poll
                     log.exception("controller: polling the job store failed")
+                self.last_poll = time.monotonic()
+                self.metrics.drivers.set(len(self._drivers))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.poll_interval_s)
         finally:
             await self.close()
 
     async def sync(self) -> None:
-        """Start drivers for new active jobs; stop those of jobs that are no longer active."""
-        active = {record.job_id: record for record in await self.store.active_jobs()}
+        """Start drivers for active jobs that need one; stop those of jobs no longer active; fail
+        queued jobs past their queue timeout."""
+        active = {job.job_id: job for job in await self.store.active_overview()}
+        self._reap(active)
+        now = time.monotonic()
+        to_start = []
+        for job in active.values():
+            if job.job_id in self._drivers:
+                continue
+            if job.state == QUEUED and not job.trainer_reported:
+                await self._expire(job)
+            elif now >= self._restart_at.get(job.job_id, 0.0):
+                to_start.append(job.job_id)
+        for job_id in to_start:
+            with contextlib.suppress(JobNotFoundError):
+                record = await self.store.get(job_id)
+                if not record.terminal:
+                    driver = JobDriver(self._deps, record)
+                    self._drivers[job_id] = (
+                        driver,
+                        asyncio.create_task(driver.run(), name=f"driver {job_id}"),
+                    )
+
+    def _reap(self, active: dict[str, ActiveJob]) -> None:
+        """Stop the drivers of jobs no longer active; note those that crashed, for a restart."""
         for job_id, (driver, task) in list(self._drivers.items()):
             if job_id not in active:
                 del self._drivers[job_id]
@@ -82,11 +113,17 @@ class Controller:
                 self._restart_at[job_id] = time.monotonic() + RESTART_DELAY_S
                 error = None if task.cancelled() else task.exception()
                 log.error("driver of %s stopped: %r; restarting it in %.0fs", job_id, error, RESTART_DELAY_S)
-        now = time.monotonic()
-        for job_id, record in active.items():
-            if job_id not in self._drivers and now >= self._restart_at.get(job_id, 0.0):
-                driver = JobDriver(self._deps, record)
-                self._drivers[job_id] = (driver, asyncio.create_task(driver.run(), name=f"driver {job_id}"))
+        for job_id in [job_id for job_id in self._restart_at if job_id not in active]:
+            del self._restart_at[job_id]
+
+    async def _expire(self, job: ActiveJob) -> None:
+        """Fail a queued job whose trainer has not spoken within the queue timeout."""
+        waited = time.time() - job.submitted_at
+        if waited <= self.settings.queue_timeout_s:
+            return
+        reason = queue_timeout_reason(waited)
+        if await self.store.set_state(job.job_id, FAILED, reason):
+            log.info("%s: %s %s", job.job_id, FAILED, reason)
 
     async def close(self) -> None:
         """Stop every driver (without changing job states) and close the channels."""

@@ -46,6 +46,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         404: "No such job.",
         409: "The job already finished.",
         413: "The request body is larger than VERST_API_MAX_BODY_BYTES.",
+        503: "The job store (Redis) is unavailable; try again (see Retry-After).",
     }
     return {code: {"model": ErrorBody, "description": described[code]} for code in codes}
 

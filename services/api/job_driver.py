@@ -46,6 +46,7 @@ from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer
+from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import (
     CANCELLED,
     FAILED,
@@ -53,7 +54,6 @@ from services.common.jobs import (
     SUCCEEDED,
     JobRecord,
     JobStore,
-    load_job_tokenizer,
 )
 from services.common.pb import common_pb2, router_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
@@ -66,6 +66,11 @@ DRAIN_TIMEOUT_S = 5.0
 """How long a finishing driver keeps reading metrics that are already published."""
 Outcome = tuple[str, str] | None
 """(final state, reason), or None when the driver was stopped from outside."""
+
+
+def queue_timeout_reason(waited_s: float) -> str:
+    """Why a job that waited ``waited_s`` for checkpoint v0 failed."""
+    return f"no checkpoint v0 within {waited_s:.0f}s (queue_timeout_s): is a trainer up?"
 
 
 class Phase(enum.Enum):
@@ -273,7 +278,7 @@ class JobDriver:
             if self.phase is Phase.WAITING_FOR_V0:
                 waited = time.time() - self.record.submitted_at
                 if waited > self.settings.queue_timeout_s:
-                    self._fail(f"no checkpoint v0 within {waited:.0f}s (queue_timeout_s): is a trainer up?")
+                    self._fail(queue_timeout_reason(waited))
             elif self.phase is Phase.RUNNING:
                 idle = time.monotonic() - self._last_progress
                 if idle > self.settings.stall_timeout_s:

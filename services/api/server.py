@@ -1,7 +1,9 @@
 """The REST api (FastAPI): submit, list, inspect and cancel jobs; health and Prometheus metrics.
 
-The job controller (services/api/controller.py) runs as a task of this process,
-started and stopped with the app's lifespan.
+The job controller (services/api/controller.py) and the health monitor
+(services/api/health.py) run as tasks of this process, started and stopped with
+the app's lifespan. The request handlers reach Redis through a pool of their own
+(``health.request_client``); the controller and its drivers through the bus's.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+from redis.exceptions import RedisError
 
 from services.api.config import ApiSettings
 from services.api.controller import Controller
 from services.api.guard import error_responses, guard
+from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
 from services.api.spec_checks import SpecChecker
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, connect
 from services.common.config import JobSpec
-from services.common.jobs import CANCELLED, JobNotFoundError, JobRecord, JobStore, MetricRow
+from services.common.jobs import CANCELLED, JobBrief, JobNotFoundError, JobRecord, JobStore, MetricRow
 from services.common.settings import require_redis_url
 
 JobId = Annotated[str, Path(min_length=1, max_length=200, description="The job id, e.g. addition-1a2b3c4d.")]
@@ -54,10 +59,10 @@ class JobSummary(View):
     """Latest value of every metric, keyed "source/name" (e.g. "eval/accuracy", "trainer/loss")."""
 
     @classmethod
-    def fields_of(cls, record: JobRecord) -> dict[str, Any]:
+    def fields_of(cls, record: JobBrief) -> dict[str, Any]:
         return {
             "job_id": record.job_id,
-            "name": record.spec.name,
+            "name": record.name,
             "state": record.state,
             "policy_version": record.policy_version,
             "step": record.step,
@@ -68,7 +73,7 @@ class JobSummary(View):
         }
 
     @classmethod
-    def of(cls, record: JobRecord) -> JobSummary:
+    def of(cls, record: JobBrief) -> JobSummary:
         return cls(**cls.fields_of(record))
 
 
@@ -112,25 +117,40 @@ class MetricHistory(View):
     """Oldest first."""
 
 
-def create_app(settings: ApiSettings) -> FastAPI:
+def create_app(settings: ApiSettings, *, exit_when_unhealthy: bool = False) -> FastAPI:
+    """The api; with ``exit_when_unhealthy`` (``python -m services.api``) a watchdog ends the
+    process once it has been unhealthy for ``unhealthy_exit_s``."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bus = Bus(connect(require_redis_url(settings)))
-        app.state.store = JobStore(bus.redis)
-        app.state.metrics = ApiMetrics()
+        url = require_redis_url(settings)
+        bus = Bus(connect(url))
+        requests = request_client(url, settings)
+        app.state.store = JobStore(requests)
+        app.state.metrics = ApiMetrics(settings.metrics_refresh_s)
         app.state.controller = None
         stop = asyncio.Event()
-        worker = None
+        tasks: list[asyncio.Task[None]] = []
         if settings.controller:
-            app.state.controller = Controller(bus, app.state.store, settings, app.state.metrics)
-            worker = asyncio.create_task(app.state.controller.run(stop), name="controller")
+            app.state.controller = Controller(bus, JobStore(bus.redis), settings, app.state.metrics)
+            tasks.append(asyncio.create_task(app.state.controller.run(stop), name="controller"))
+        app.state.health = health = Health(requests, settings, app.state.controller)
+        await health.check()
+        tasks.append(asyncio.create_task(health.run(stop), name="health"))
+        watchdog = None
+        if exit_when_unhealthy and settings.unhealthy_exit_s > 0:
+            watchdog = Watchdog(health, settings.unhealthy_exit_s)
+            watchdog.start()
         try:
             yield
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             stop.set()
-            if worker is not None:
-                await worker
+            for task in tasks:
+                await task
             await bus.close()
+            await requests.aclose()
 
     app = FastAPI(
         title="verst",
@@ -140,6 +160,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         redirect_slashes=False,  # `/v1/jobs/` is a 404, not a 307 to a route that says otherwise
     )
     guard(app, settings)
+    app.add_exception_handler(RedisError, RedisErrorHandler())
     _add_job_routes(app, settings)
     _add_ops_routes(app, settings)
     return app
@@ -184,7 +205,7 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
         "/v1/jobs",
         status_code=status.HTTP_201_CREATED,
         tags=["jobs"],
-        responses=error_responses(400, 401, 413),
+        responses=error_responses(400, 401, 413, 503),
     )
     async def submit_job(spec: JobSpec, request: Request) -> JobView:
         """Queue a job. A bad spec is a 422 whose `detail[].loc` is the path of each bad field: the
@@ -193,17 +214,17 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
         await _check(checker, spec)
         return JobView.of(await _store(request).create(spec))
 
-    @app.get("/v1/jobs", tags=["jobs"], responses=error_responses(401))
+    @app.get("/v1/jobs", tags=["jobs"], responses=error_responses(401, 503))
     async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=settings.list_limit)) -> JobList:
         """The newest jobs, newest first, as summaries (no spec)."""
-        return JobList(jobs=[JobSummary.of(record) for record in await _store(request).list(limit)])
+        return JobList(jobs=[JobSummary.of(brief) for brief in await _store(request).list_briefs(limit)])
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"], responses=error_responses(401, 404))
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], responses=error_responses(401, 404, 503))
     async def get_job(job_id: JobId, request: Request) -> JobView:
         """One job: state, policy version, step, reason and latest metrics."""
         return JobView.of(await _record(request, job_id))
 
-    @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"], responses=error_responses(401, 404))
+    @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"], responses=error_responses(401, 404, 503))
     async def job_metrics(
         job_id: JobId,
         request: Request,
@@ -217,7 +238,7 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}") from None
         return MetricHistory(job_id=job_id, points=[MetricPoint.of(row) for row in rows])
 
-    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], responses=error_responses(401, 404, 409, 413))
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], responses=error_responses(401, 404, 409, 413, 503))
     async def cancel_job(job_id: JobId, request: Request) -> JobView:
         """Cancel a queued or running job: no more prompts are issued. 409 if it already finished."""
         record = await _record(request, job_id)
@@ -228,12 +249,18 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
 
 
 def _add_ops_routes(app: FastAPI, settings: ApiSettings) -> None:
-    @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict[str, str]:
-        """Liveness: 200 while the process serves requests."""
-        return {"status": "ok", "service": settings.service_name}
+    @app.get("/healthz", tags=["ops"], responses={503: {"description": "The api cannot serve now."}})
+    async def healthz(request: Request) -> JSONResponse:
+        """200 while the api can serve: Redis answers a ping through the request pool and the
+        controller keeps polling. 503 with the problems otherwise."""
+        health: Health = request.app.state.health
+        problems = health.current()
+        body: dict[str, Any] = {"status": "unhealthy" if problems else "ok", "service": settings.service_name}
+        if problems:
+            body["problems"] = problems
+        return JSONResponse(body, 503 if problems else 200)
 
-    @app.get("/metrics", tags=["ops"], response_class=Response)
+    @app.get("/metrics", tags=["ops"], response_class=Response, responses=error_responses(503))
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus text: jobs by state, policy version and latest metrics of running jobs."""
         metrics: ApiMetrics = request.app.state.metrics

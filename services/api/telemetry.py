@@ -1,10 +1,16 @@
 """Prometheus metrics of the api: jobs by state, and the latest metrics of running jobs.
 
-Job gauges are refreshed from the job store on every scrape, so they are right
-whichever api process drove the job. The counters count this process's work.
+Job gauges are refreshed from the job store on a scrape, so they are right
+whichever api process drove the job, at most every ``refresh_every_s`` (the
+scrapes in between, and those that arrive during a refresh, get that reading):
+a crowd of scrapers costs the store no more than one. The counters count this
+process's work.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -17,7 +23,10 @@ EVAL_ACCURACY = "eval/accuracy"
 class ApiMetrics:
     """The api's metrics, in a registry of its own (one per app, so tests can make many)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refresh_every_s: float = 0.0) -> None:
+        self.refresh_every_s = refresh_every_s
+        self._refreshed_at = -float("inf")
+        self._refreshing = asyncio.Lock()
         self.registry = CollectorRegistry(auto_describe=True)
         self.jobs = Gauge("verst_jobs", "Jobs by state.", ["state"], registry=self.registry)
         self.policy_version = Gauge(
@@ -43,6 +52,11 @@ class ApiMetrics:
             "PromptTasks published by this controller.",
             registry=self.registry,
         )
+        self.drivers = Gauge(
+            "verst_controller_drivers",
+            "Job drivers this controller runs (queued jobs whose trainer has not spoken have none).",
+            registry=self.registry,
+        )
         self.evaluations = Counter(
             "verst_controller_evaluations",
             "Evaluations run by this controller, by outcome (ok, failed).",
@@ -51,12 +65,18 @@ class ApiMetrics:
         )
 
     async def refresh(self, store: JobStore) -> None:
-        """Reset the job gauges from the store."""
+        """Reset the job gauges from the store, unless they were within ``refresh_every_s``."""
+        async with self._refreshing:
+            if time.monotonic() - self._refreshed_at >= self.refresh_every_s:
+                await self._read(store)
+                self._refreshed_at = time.monotonic()
+
+    async def _read(self, store: JobStore) -> None:
         for state, count in (await store.count_by_state()).items():
             self.jobs.labels(state=state).set(count)
         for gauge in (self.policy_version, self.eval_accuracy, self.job_metric):
             gauge.clear()
-        for record in await store.active_jobs():
+        for record in await store.briefs(await store.running_job_ids()):
             if record.state != RUNNING:
                 continue
             self.policy_version.labels(job_id=record.job_id).set(record.policy_version)

@@ -2,7 +2,7 @@
 
 Keys (besides the streams of services/common/streams.py):
 
-- ``verst:job:{id}`` (hash): spec_json, state (a JobState name such as
+- ``verst:job:{id}`` (hash): spec_json, name, state (a JobState name such as
   ``"JOB_STATE_RUNNING"``), policy_version, step, reason, submitted_at and
   updated_at (unix seconds), metrics_json (the latest value of every metric,
   keyed ``"{source}/{name}"``, e.g. ``"eval/accuracy"``), issued_batches and
@@ -24,14 +24,11 @@ states are final: the state changes are checked and applied atomically in Redis.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import redis.asyncio as aioredis
 
@@ -54,7 +51,6 @@ ACTIVE_JOBS = f"{PREFIX}:jobs:active"
 """Set of the ids of jobs not yet in a terminal state."""
 HISTORY_LIMIT = 100_000
 """Rows kept in a job's metrics history (the oldest are dropped first)."""
-_TOKENIZER_LOCK = threading.Lock()
 
 
 def job_history_key(job_id: str) -> str:
@@ -127,12 +123,36 @@ return {1, total}
 """
 
 
+# The fields ARGV of every hash in KEYS, as one flat list (nil for a missing field or hash).
+_HMGET_MANY = """
+local out = {}
+for _, key in ipairs(KEYS) do
+  local values = redis.call('HMGET', key, unpack(ARGV))
+  for j = 1, #ARGV do out[#out + 1] = values[j] end
+end
+return out
+"""
+
+# KEYS in threes, one per job: its hash, checkpoints stream and status stream. Returns, per job,
+# its state, submitted_at, and the two streams' total length (how often its trainer has spoken).
+_OVERVIEW = """
+local out = {}
+for i = 1, #KEYS, 3 do
+  local fields = redis.call('HMGET', KEYS[i], 'state', 'submitted_at')
+  out[#out + 1] = fields[1]
+  out[#out + 1] = fields[2]
+  out[#out + 1] = redis.call('XLEN', KEYS[i + 1]) + redis.call('XLEN', KEYS[i + 2])
+end
+return out
+"""
+
+
 @dataclass(frozen=True, slots=True)
-class JobRecord:
-    """One job as stored."""
+class JobBrief:
+    """A job as lists and metrics show it: its name but not its spec (which is not read)."""
 
     job_id: str
-    spec: JobSpec
+    name: str
     state: str
     """A JobState name, e.g. "JOB_STATE_RUNNING"."""
     policy_version: int
@@ -143,6 +163,28 @@ class JobRecord:
     updated_at: float
     metrics: dict[str, float]
     """Latest value of every metric, keyed "{source}/{name}"."""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @classmethod
+    def from_values(cls, job_id: str, values: Sequence[bytes | None]) -> JobBrief:
+        """From the hash's BRIEF_FIELDS, in their order."""
+        name, state, version, step, reason, submitted, updated, metrics = (
+            (value or b"").decode() for value in values
+        )
+        return cls(
+            job_id, name, state, int(version or 0), int(step or 0), reason, float(submitted or 0),
+            float(updated or 0), json.loads(metrics or "{}"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord(JobBrief):
+    """One job as stored."""
+
+    spec: JobSpec
     issued_batches: int
     """Prompt batches the controller has published."""
     issued_extra: int
@@ -150,16 +192,13 @@ class JobRecord:
     dropped_groups: int
     """Groups the trainer reported dropped (each wants a replacement prompt)."""
 
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
     @classmethod
     def from_hash(cls, job_id: str, fields: Mapping[bytes, bytes]) -> JobRecord:
         text = {key.decode(): value.decode() for key, value in fields.items()}
+        spec = decode_spec(text["spec_json"], f"spec of job {job_id}")
         return cls(
             job_id=job_id,
-            spec=decode_spec(text["spec_json"], f"spec of job {job_id}"),
+            name=spec.name,
             state=text["state"],
             policy_version=int(text.get("policy_version", 0)),
             step=int(text.get("step", 0)),
@@ -167,10 +206,27 @@ class JobRecord:
             submitted_at=float(text["submitted_at"]),
             updated_at=float(text["updated_at"]),
             metrics=json.loads(text.get("metrics_json", "{}")),
+            spec=spec,
             issued_batches=int(text.get("issued_batches", 0)),
             issued_extra=int(text.get("issued_extra", 0)),
             dropped_groups=int(text.get("dropped_groups", 0)),
         )
+
+
+BRIEF_FIELDS = ("name", "state", "policy_version", "step", "reason", "submitted_at", "updated_at",
+                "metrics_json")  # fmt: skip
+"""The hash fields a JobBrief is read from."""
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveJob:
+    """What the controller reads of an unfinished job on every poll."""
+
+    job_id: str
+    state: str
+    submitted_at: float
+    trainer_reported: bool
+    """The job's checkpoints or status stream has an entry: its trainer has spoken."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +266,8 @@ class JobStore:
         self._set_state = redis.register_script(_SET_STATE)
         self._progress = redis.register_script(_PROGRESS)
         self._count_dropped = redis.register_script(_COUNT_DROPPED)
+        self._hmget_many = redis.register_script(_HMGET_MANY)
+        self._overview = redis.register_script(_OVERVIEW)
 
     async def create(self, spec: JobSpec) -> JobRecord:
         """Store a QUEUED job and publish its JobSubmission on ``verst:jobs``, atomically."""
@@ -218,6 +276,7 @@ class JobStore:
         message = submission(job_id, spec, now)
         fields = {
             "spec_json": message.spec_json,
+            "name": spec.name,
             "state": QUEUED,
             "policy_version": 0,
             "step": 0,
@@ -266,6 +325,41 @@ class JobStore:
         ids = [raw.decode() for raw in await self.redis.zrevrange(JOB_INDEX, 0, max(limit, 1) - 1)]
         return await self._records(ids)
 
+    async def list_briefs(self, limit: int = 100) -> list[JobBrief]:
+        """The newest ``limit`` jobs, newest first, without validating their specs (two round
+        trips whatever ``limit``)."""
+        ids = [raw.decode() for raw in await self.redis.zrevrange(JOB_INDEX, 0, max(limit, 1) - 1)]
+        return await self.briefs(ids)
+
+    async def briefs(self, ids: Sequence[str]) -> list[JobBrief]:
+        """The briefs of the jobs ``ids`` that exist, in that order, in one command."""
+        briefs = []
+        for job_id, row in zip(ids, await self._fields(ids, BRIEF_FIELDS), strict=True):
+            if row[1] is not None:  # the job exists
+                row[0] = row[0] or (await self.spec(job_id)).name.encode()  # stored before names were
+                briefs.append(JobBrief.from_values(job_id, row))
+        return briefs
+
+    async def active_overview(self) -> list[ActiveJob]:
+        """Every unfinished job's state, submit time and whether its trainer has published a
+        checkpoint or status yet, oldest first: two commands whatever the number of jobs, and no
+        spec read."""
+        ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
+        if not ids:
+            return []
+        keys = []
+        for job_id in ids:
+            keys += [job_key(job_id), JobStreams(job_id).checkpoints, JobStreams(job_id).status]
+        values = await self._overview(keys=keys)
+        jobs = [
+            ActiveJob(job_id, state.decode(), float(submitted_at or 0.0), int(spoken) > 0)
+            for job_id, state, submitted_at, spoken in zip(
+                ids, values[0::3], values[1::3], values[2::3], strict=True
+            )
+            if state is not None and state.decode() not in TERMINAL_STATES
+        ]
+        return sorted(jobs, key=lambda job: (job.submitted_at, job.job_id))
+
     async def active_jobs(self) -> list[JobRecord]:
         """Jobs that are QUEUED or RUNNING, oldest first."""
         ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
@@ -274,16 +368,7 @@ class JobStore:
 
     async def running_job_ids(self) -> list[str]:
         """Ids of the jobs in state RUNNING, oldest first (reads their states, not their specs)."""
-        ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(job_key(job_id), ["state", "submitted_at"])
-        running = [
-            (float(submitted_at or 0.0), job_id)
-            for job_id, (state, submitted_at) in zip(ids, await pipe.execute(), strict=True)
-            if state is not None and state.decode() == RUNNING
-        ]
-        return [job_id for _, job_id in sorted(running)]
+        return [job.job_id for job in await self.active_overview() if job.state == RUNNING]
 
     async def running_jobs(self) -> list[JobRecord]:
         """Jobs in state RUNNING, oldest first."""
@@ -292,12 +377,9 @@ class JobStore:
 
     async def count_by_state(self) -> dict[str, int]:
         """How many jobs are in each state (every state is present, maybe with 0)."""
-        ids = await self.redis.zrange(JOB_INDEX, 0, -1)
-        pipe = self.redis.pipeline(transaction=False)
-        for raw in ids:
-            pipe.hget(job_key(raw.decode()), "state")
+        ids = [raw.decode() for raw in await self.redis.zrange(JOB_INDEX, 0, -1)]
         counts = dict.fromkeys(JOB_STATES, 0)
-        for state in await pipe.execute():
+        for (state,) in await self._fields(ids, ["state"]):
             if state is not None:
                 counts[state.decode()] = counts.get(state.decode(), 0) + 1
         return counts
@@ -390,6 +472,13 @@ class JobStore:
             rows = [row for row in rows if row.source == source]
         return rows[-limit:]
 
+    async def _fields(self, ids: Sequence[str], fields: Sequence[str]) -> list[list[bytes | None]]:
+        """The ``fields`` of each job's hash (None where missing), in one command."""
+        if not ids:
+            return []
+        values = await self._hmget_many(keys=[job_key(job_id) for job_id in ids], args=list(fields))
+        return [values[n * len(fields) : (n + 1) * len(fields)] for n in range(len(ids))]
+
     async def _records(self, ids: list[str]) -> list[JobRecord]:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
@@ -399,24 +488,3 @@ class JobStore:
             for job_id, fields in zip(ids, await pipe.execute(), strict=True)
             if fields
         ]
-
-
-def checkpoint_dir(handle: common_pb2.CheckpointHandle) -> Path:
-    """The local directory of a ``file://`` checkpoint handle (raises ValueError otherwise)."""
-    uri = urlparse(handle.uri)
-    if uri.scheme != "file":
-        raise ValueError(f"checkpoint v{handle.version} of {handle.job_id}: unsupported uri {handle.uri!r}")
-    return Path(unquote(uri.path))
-
-
-def load_job_tokenizer(spec: JobSpec, handle: common_pb2.CheckpointHandle) -> Any:
-    """The job's tokenizer: ``model.tokenizer`` when set, else the checkpoint directory's.
-
-    Blocking (run it in a thread); raises OSError or ValueError when it cannot be loaded.
-    """
-    path = spec.model.tokenizer or str(checkpoint_dir(handle))
-    # One at a time: transformers' lazy imports are not safe when threads race through them.
-    with _TOKENIZER_LOCK:
-        from transformers import AutoTokenizer  # a slow import, needed only once a job runs
-
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)

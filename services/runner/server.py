@@ -27,7 +27,8 @@ from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer, consumer_name
 from services.common.grpc_client import Channels
 from services.common.grpc_server import serve
-from services.common.jobs import JobRecord, JobStore, load_job_tokenizer
+from services.common.job_tokenizer import load_job_tokenizer
+from services.common.jobs import JobRecord, JobStore
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams

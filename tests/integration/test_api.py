@@ -20,7 +20,10 @@ from services.common.streams import JOBS
 async def app(redis_url: str) -> AsyncIterator[FastAPI]:
     # The controller is tested on its own (test_controller.py); here the api only serves REST.
     app = create_app(
-        ApiSettings.model_validate({"REDIS_URL": redis_url, "controller": False, "check_specs": False})
+        ApiSettings.model_validate(
+            # Every scrape reads the store here, so the test sees each change at once.
+            {"REDIS_URL": redis_url, "controller": False, "check_specs": False, "metrics_refresh_s": 0}
+        )
     )
     async with app.router.lifespan_context(app):
         yield app

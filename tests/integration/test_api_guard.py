@@ -152,11 +152,12 @@ async def test_the_openapi_declares_every_code_and_the_bearer_scheme(client: htt
     def codes(path: str, method: str) -> set[str]:
         return set(paths[path][method]["responses"])
 
-    assert codes("/v1/jobs", "post") == {"201", "400", "401", "413", "422"}
-    assert codes("/v1/jobs", "get") == {"200", "401", "422"}
-    assert codes("/v1/jobs/{job_id}", "get") == {"200", "401", "404", "422"}
-    assert codes("/v1/jobs/{job_id}/metrics", "get") == {"200", "401", "404", "422"}
-    assert codes("/v1/jobs/{job_id}/cancel", "post") == {"200", "401", "404", "409", "413", "422"}
+    assert codes("/v1/jobs", "post") == {"201", "400", "401", "413", "422", "503"}
+    assert codes("/v1/jobs", "get") == {"200", "401", "422", "503"}
+    assert codes("/v1/jobs/{job_id}", "get") == {"200", "401", "404", "422", "503"}
+    assert codes("/v1/jobs/{job_id}/metrics", "get") == {"200", "401", "404", "422", "503"}
+    assert codes("/v1/jobs/{job_id}/cancel", "post") == {"200", "401", "404", "409", "413", "422", "503"}
+    assert codes("/healthz", "get") == {"200", "503"} and codes("/metrics", "get") == {"200", "503"}
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert paths["/v1/jobs"]["get"]["security"] == [{"bearer": []}]
     assert "security" not in paths["/healthz"]["get"] and "security" not in paths["/metrics"]["get"]

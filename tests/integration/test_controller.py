@@ -324,9 +324,30 @@ async def test_a_job_without_a_trainer_times_out_in_the_queue(
     controllers: Controllers,
 ) -> None:
     _, trainer = await submit(bus, tokenizer_dir, services[0])
-    await controllers.start(queue_timeout_s=1.0)
+    controller = await controllers.start(queue_timeout_s=1.0)
     await trainer.wait_for_state(FAILED, timeout_s=5.0)
-    assert "no checkpoint v0" in (await trainer.store.get(trainer.job_id)).reason
+    assert "no checkpoint v0 within 1s (queue_timeout_s)" in (await trainer.store.get(trainer.job_id)).reason
+    assert controller.driven_jobs == []
+
+
+async def test_a_queued_job_gets_a_driver_only_once_its_trainer_speaks(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
+    _, silent = await submit(bus, tokenizer_dir, services[0])
+    controller = await controllers.start()
+    await asyncio.sleep(0.4)  # eight polls
+    assert controller.driven_jobs == [] and await trainer.state() == QUEUED
+    for job_id in (trainer.job_id, silent.job_id):  # no reads at all: no consumer group was made
+        assert not await bus.redis.exists(
+            *(getattr(JobStreams(job_id), kind) for kind in ("checkpoints", "status"))
+        )
+    await trainer.publish_version(0)
+    await trainer.wait_for_state(RUNNING)
+    assert controller.driven_jobs == [trainer.job_id] and await silent.state() == QUEUED
 
 
 async def test_cancel_stops_the_prompts(

@@ -24,7 +24,7 @@ from services.common.jobs import (
     submission,
 )
 from services.common.pb import common_pb2
-from services.common.streams import CONTROLLER_GROUP, JOBS, JobStreams
+from services.common.streams import CONTROLLER_GROUP, JOBS, JobStreams, job_key
 from tests.helpers import stream_messages
 
 
@@ -130,6 +130,47 @@ async def test_list_is_newest_first_and_counts_by_state(store: JobStore) -> None
     assert [r.job_id for r in await store.list(limit=3)] == ids[::-1][:3]
     assert [r.job_id for r in await store.active_jobs()] == [ids[0], ids[2], ids[3]]
     assert await store.count_by_state() == {QUEUED: 2, RUNNING: 1, SUCCEEDED: 0, FAILED: 1, CANCELLED: 0}
+
+
+async def test_briefs_list_newest_first_without_their_specs(store: JobStore) -> None:
+    ids = [(await store.create(JobSpec(name=f"job{i}"))).job_id for i in range(3)]
+    await store.set_state(ids[1], FAILED, "boom")
+    await store.update_progress(ids[2], 4, 8)
+    await store.merge_metrics(ids[2], {"loss": 0.5}, step=8, source="trainer")
+    briefs = await store.list_briefs(limit=2)
+    assert [(b.job_id, b.name, b.state) for b in briefs] == [
+        (ids[2], "job2", QUEUED),
+        (ids[1], "job1", FAILED),
+    ]
+    assert (briefs[0].policy_version, briefs[0].step, briefs[0].metrics) == (4, 8, {"trainer/loss": 0.5})
+    assert briefs[1].reason == "boom"
+    record = await store.get(ids[0])
+    [brief] = await store.briefs(["nope", ids[0]])
+    assert (brief.job_id, brief.name, brief.submitted_at, brief.updated_at) == (
+        record.job_id,
+        record.name,
+        record.submitted_at,
+        record.updated_at,
+    )
+    assert await store.briefs([]) == []
+    await store.redis.hdel(job_key(ids[0]), "name")  # a job stored before names were
+    assert [brief.name for brief in await store.briefs([ids[0]])] == ["job0"]
+
+
+async def test_the_overview_of_active_jobs_says_whose_trainer_has_spoken(store: JobStore, bus: Bus) -> None:
+    ids = [(await store.create(JobSpec(name=f"job{i}"))).job_id for i in range(4)]
+    await store.set_state(ids[1], RUNNING)
+    await store.set_state(ids[3], CANCELLED, "user")
+    await bus.publish(JobStreams(ids[1]).checkpoints, common_pb2.CheckpointHandle(job_id=ids[1]))
+    await bus.publish(JobStreams(ids[2]).status, common_pb2.JobStatus(job_id=ids[2]))
+    await bus.ensure_group(JobStreams(ids[0]).checkpoints, CONTROLLER_GROUP)  # an empty stream
+    overview = await store.active_overview()
+    assert [(job.job_id, job.state, job.trainer_reported) for job in overview] == [
+        (ids[0], QUEUED, False),
+        (ids[1], RUNNING, True),
+        (ids[2], QUEUED, True),
+    ]
+    assert overview[0].submitted_at == (await store.get(ids[0])).submitted_at
 
 
 async def test_states_and_specs_are_read_through_the_store(store: JobStore) -> None:
