@@ -16,9 +16,11 @@ not a newer producer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -34,6 +36,8 @@ TYPE_FIELD = b"t"
 DATA_FIELD = b"d"
 _SHOWN_FIELDS = 8
 """Unknown field paths named in a reason, at most."""
+_SINGLE, _REPEATED, _MAP = "single", "repeated", "map"
+"""How a field holds messages (``_message_fields``)."""
 
 PAYLOAD_CHECKS: Registry[Entry[PayloadCheck]] = Registry(
     Entry, kind="payload check", field="payload type", owner="bus"
@@ -47,19 +51,30 @@ def _check(message_type: type[Message]) -> Callable[[PayloadCheck], PayloadCheck
 def unknown_fields(message: Message, prefix: str = "") -> list[str]:
     """Paths of the fields ``message`` holds that its schema lacks ("5", "stages.9", ...)."""
     found = [f"{prefix}{field.field_number}" for field in UnknownFieldSet(message)]
-    for descriptor, value in message.ListFields():
-        kind = descriptor.message_type
+    for name, shape in _message_fields(message.DESCRIPTOR):
+        if shape == _SINGLE and not message.HasField(name):
+            continue
+        value = getattr(message, name)
+        items = [value] if shape == _SINGLE else value.values() if shape == _MAP else value
+        for item in items:
+            found += unknown_fields(item, f"{prefix}{name}.")
+    return found
+
+
+@functools.cache
+def _message_fields(descriptor: Descriptor) -> tuple[tuple[str, str], ...]:
+    """The fields of a message type that hold messages, and how: one, repeated, or map values."""
+    fields = []
+    for field in descriptor.fields:
+        kind = field.message_type
         if kind is None:
             continue
         if kind.GetOptions().map_entry:
-            if kind.fields_by_name["value"].message_type is None:
-                continue
-            items = list(value.values())
+            if kind.fields_by_name["value"].message_type is not None:
+                fields.append((field.name, _MAP))
         else:
-            items = list(value) if descriptor.is_repeated else [value]
-        for item in items:
-            found += unknown_fields(item, f"{prefix}{descriptor.name}.")
-    return found
+            fields.append((field.name, _REPEATED if field.is_repeated else _SINGLE))
+    return tuple(fields)
 
 
 def payload_problem(message: Message, stream: str) -> str | None:
