@@ -45,6 +45,9 @@ class ApiSettings(RolloutClientSettings):
     """Evaluation Generate calls in flight at once, per job."""
     reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)
     """Controller stream entries left unacked this long by a dead api are taken over."""
+    repeated_failures: int = Field(16, ge=2, le=1_000_000)
+    """Dead letters of a job with one reason and no new policy version between them that fail the
+    job (at least one step's samples, prompts_per_step x group_size): a repeating failure ends it."""
     list_limit: int = Field(1000, ge=1, le=100_000)
     """Most jobs one GET /v1/jobs returns."""
     max_body_bytes: int = Field(1_048_576, ge=1024, le=1_073_741_824)

@@ -14,15 +14,17 @@
   the job is SUCCEEDED.
 - DONE: the job has its outcome.
 
-In any phase the trainer's FAILED (CANCELLED) status or a prompt task
-dead-lettered as invalid ends the job FAILED (CANCELLED) with the reason, and
-``stop`` ends the driver without touching the job's state.
+In any phase the trainer's FAILED (CANCELLED) status, or one failure repeated
+in the job's dead letters without a new version between them (dead_letters.py),
+ends the job FAILED (CANCELLED) with the reason, and ``stop`` ends the driver
+without touching the job's state.
 
 Followers of the job's streams run beside the phases: checkpoints, status,
 control (the trainer's TrainerSignals, such as GroupsDropped, counted durably
-in the job record), dead letters, and metrics (merged into the job record as
-they arrive). Every loop checks a stop flag, because a cancellation can be lost
-inside redis-py on Python 3.11 (asyncio.wait_for).
+in the job record), dead letters (a dead-lettered prompt task or trajectory is
+counted like a dropped group, and replaced), and metrics (merged into the job
+record as they arrive). Every loop checks a stop flag, because a cancellation
+can be lost inside redis-py on Python 3.11 (asyncio.wait_for).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 import grpc
 
 from services.api.config import ApiSettings
+from services.api.dead_letters import RepeatedFailures, failure_limit, replaces_work
 from services.api.evaluation import EvalError, Evaluator
 from services.api.job_feed import PromptFeed
 from services.api.pacing import Issue, plan_issue
@@ -122,7 +125,8 @@ class JobDriver:
         self._wake = asyncio.Event()
         """Set when the issuer may have more to do: a new version, or dropped groups."""
         self._dropped = record.dropped_groups
-        """Groups the trainer reported dropped, over the whole job (the job record's count)."""
+        """Work lost over the whole job (the record's dropped_groups): each gets a replacement."""
+        self._failures = RepeatedFailures(failure_limit(self.settings.repeated_failures, self.spec))
         self._batches = record.issued_batches
         self._extra = record.issued_extra
         self._last_progress = time.monotonic()
@@ -322,17 +326,21 @@ class JobDriver:
             self._epoch = (handle.epoch, handle.version)  # a resumed trainer: its versions start again
         elif handle.version > self._epoch[1]:
             self._epoch = (handle.epoch, handle.version)
-            self._last_progress = time.monotonic()  # a new version, also one reissued after a resume
+            self._progressed()  # a new version, also one reissued after a resume
         if handle.version > self.latest_version:
             self.latest_version = handle.version
             self._version_at = handle.created_at.ToNanoseconds() / 1e9
-            self._last_progress = time.monotonic()
+            self._progressed()
             self._wake.set()
             every = self.spec.eval.every_steps
             if every and handle.version % every == 0 and handle.version < self.spec.trainer.steps:
                 self._eval_queue.put_nowait(handle.version)
         await self.store.update_progress(self.job_id, handle.version, handle.step)
         return True
+
+    def _progressed(self) -> None:
+        self._last_progress = time.monotonic()
+        self._failures.progress()
 
     async def _follow_status(self) -> None:
         await self._follow(self.streams.status, common_pb2.JobStatus, self._on_status)
@@ -361,26 +369,32 @@ class JobDriver:
             return True
         dropped = signal.groups_dropped
         groups = dropped.stale + dropped.invalid + dropped.zero_variance
-        total = await self.store.count_dropped(self.job_id, delivery.entry_id, groups)
+        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, groups))
+        return False
+
+    def _count_lost(self, total: int) -> None:
+        """The job record's new count of lost work (dropped groups, dead letters): replace it."""
         if total > self._dropped:
             self._dropped = total
             self._wake.set()
-        return False
 
     async def _follow_dead_letters(self) -> None:
-        """A prompt task the rollout side rejected (say, prompt + max_new_tokens beyond the
-        model's positions) will be rejected again: fail the job now with that reason rather
-        than stall. Other dead letters (a malformed trajectory) are logged; the trainer
-        reports those groups dropped and they are replaced."""
         await self._follow(self.streams.dead, common_pb2.DeadLetter, self._on_dead_letter)
 
     async def _on_dead_letter(self, delivery: Delivery[common_pb2.DeadLetter]) -> bool:
+        """Count a dead-lettered prompt task or trajectory (the store acks that entry with the
+        count) so that it is replaced; fail the job when the same failure keeps coming."""
         letter = delivery.message
-        if letter.source_stream == self.streams.prompts:
-            self._fail(f"a prompt task was rejected: {letter.reason}")
-        else:
-            log.warning("%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason)
-        return True
+        log.warning("%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason)
+        repeated = self._failures.add(letter)
+        if repeated:
+            self._fail(repeated)
+            return True
+        if not replaces_work(letter, self.streams):
+            return True
+        dead = self.streams.dead
+        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, 1, stream=dead))
+        return False
 
     async def _follow_metrics(self) -> None:
         """Merge every Metric into the job record; once draining, until none is left."""

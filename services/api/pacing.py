@@ -6,8 +6,8 @@ of the trainer, so they never wait for its next version to start generating. Eac
 carries the trainer's version when it was issued, and an engine samples it only with that
 version or a newer one (GenerateRequest.min_policy_version; an engine still loading it waits
 for it), so a batch is never sampled by weights more than max_staleness versions older than
-those it is trained into. Every group the trainer dropped gets one replacement prompt,
-whatever the versions.
+those it is trained into. Every group the trainer dropped, and every prompt task or
+trajectory dead-lettered (dead_letters.py), gets one replacement prompt, whatever the versions.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every entry has two fields: ``t``, the proto's full name, and ``d``, its bytes.
 A consumer reads new entries (XREADGROUP with a block timeout), processes them,
 and acks only after its work is committed. Entries pending on a consumer that
 died are reclaimed by another after an idle bound (XAUTOCLAIM). An entry that
-cannot be decoded, has the wrong type, was trimmed away before it was acked, or
-was delivered more than ``max_deliveries`` times goes to the dead-letter stream
-with its reason and original bytes, and is acked, so it never blocks the stream.
+cannot be decoded, has the wrong type, fails its payload check (payloads.py: on
+every consuming read), was trimmed away before it was acked, or was delivered
+more than ``max_deliveries`` times goes to the dead-letter stream with its
+reason and original bytes, and is acked, so it never blocks the stream.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common.payloads import DATA_FIELD, TYPE_FIELD, decode_entry
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams, dead_letter_stream
 
@@ -31,9 +33,9 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
-TYPE_FIELD = b"t"
-DATA_FIELD = b"d"
 _MAX_RECLAIM_SCANS = 16
+LATEST_SCAN = 16
+"""Entries ``Bus.latest`` looks back over for a good one, past bad entries at the stream's end."""
 DEFAULT_MAXLEN = 1_000_000
 """Approximate cap on a stream's length; consumed entries are trimmed well before it."""
 
@@ -56,6 +58,7 @@ class _Rejected:
     payload_type: str
     payload: bytes
     delivery_count: int
+    no_replacement: bool = False
 
 
 def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
@@ -132,15 +135,28 @@ class Bus:
         return [entry_id.decode() for entry_id in await pipe.execute()]
 
     async def latest(self, stream: str, message_type: type[M]) -> M | None:
-        """The newest message of a stream, without a consumer group (e.g. the latest
-        checkpoint handle: every engine wants it, none consumes it). None when empty."""
-        entries = await self.redis.xrevrange(stream, count=1)
+        """The newest good message of a stream, without a consumer group (e.g. the latest
+        checkpoint handle: every engine wants it, none consumes it). None when empty.
+
+        Bad entries at the stream's end (a wrong type, undecodable, failing the payload
+        check) are passed over, so one cannot hide the good entry before it; the
+        consumer group that reads the stream dead-letters them. Raises TypeError when
+        none of the newest ``LATEST_SCAN`` entries is good."""
+        entries = await self.redis.xrevrange(stream, count=LATEST_SCAN)
         if not entries:
             return None
-        _, fields = entries[0]
-        if fields.get(TYPE_FIELD, b"").decode(errors="replace") != message_type.DESCRIPTOR.full_name:
-            raise TypeError(f"newest entry of {stream} is not a {message_type.DESCRIPTOR.full_name}")
-        return message_type.FromString(fields[DATA_FIELD])
+        reasons = []
+        for raw_id, fields in entries:
+            message, reason = decode_entry(fields, message_type, stream)
+            if message is not None:
+                if reasons:
+                    log.warning("%s: passed over %d bad entries: %s", stream, len(reasons), reasons[0])
+                return message
+            reasons.append(f"{raw_id.decode()}: {reason}")
+        raise TypeError(
+            f"none of the newest {len(entries)} entries of {stream} is a good "
+            f"{message_type.DESCRIPTOR.full_name}: {reasons[0]}"
+        )
 
     async def wait_newer(self, stream: str, after_id: str, *, block_ms: int) -> str | None:
         """Wait at most ``block_ms`` for an entry newer than ``after_id`` (``"$"``: newer than
@@ -246,15 +262,24 @@ class Bus:
         return int(await self.redis.xack(stream, group, *entry_ids))
 
     async def dead_letter(
-        self, stream: str, group: str, consumer: str, delivery: Delivery[Any], reason: str
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        delivery: Delivery[Any],
+        reason: str,
+        *,
+        no_replacement: bool = False,
     ) -> None:
-        """Move a delivered entry that its consumer cannot process to the dead-letter stream."""
+        """Move a delivered entry that its consumer cannot process to the dead-letter stream;
+        ``no_replacement`` when the work it stood for needs no replacement prompt (DeadLetter)."""
         rejected = _Rejected(
             delivery.entry_id,
             reason,
             delivery.message.DESCRIPTOR.full_name,
             delivery.message.SerializeToString(),
             delivery.delivery_count,
+            no_replacement,
         )
         await self._dead_letter_all(stream, group, consumer, [rejected])
 
@@ -296,26 +321,20 @@ class Bus:
         entries: Sequence[tuple[bytes, dict[bytes, bytes]]],
         delivery_counts: dict[bytes, int],
     ) -> list[Delivery[M]]:
-        expected = message_type.DESCRIPTOR.full_name
         good: list[Delivery[M]] = []
         bad: list[_Rejected] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
             count = delivery_counts.get(raw_id, 1)
-            payload_type = fields.get(TYPE_FIELD, b"").decode(errors="replace")
-            payload = fields.get(DATA_FIELD, b"")
-            reason = ""
             if count > self.max_deliveries:
                 reason = f"delivered {count} times without an ack (max_deliveries={self.max_deliveries})"
-            elif payload_type != expected:
-                reason = f"payload type {payload_type!r} is not the expected {expected!r}"
             else:
-                try:
-                    good.append(Delivery(stream, entry_id, message_type.FromString(payload), count))
+                message, reason = decode_entry(fields, message_type, stream)
+                if message is not None:
+                    good.append(Delivery(stream, entry_id, message, count))
                     continue
-                except DecodeError as err:
-                    reason = f"undecodable {expected} payload: {err}"
-            bad.append(_Rejected(entry_id, reason, payload_type, payload, count))
+            payload_type = fields.get(TYPE_FIELD, b"").decode(errors="replace")
+            bad.append(_Rejected(entry_id, reason, payload_type, fields.get(DATA_FIELD, b""), count))
         if bad:
             await self._dead_letter_all(stream, group, consumer, bad)
         return good
@@ -336,6 +355,7 @@ class Bus:
                 payload_type=item.payload_type,
                 payload=item.payload,
                 delivery_count=item.delivery_count,
+                no_replacement=item.no_replacement,
             )
             letter.dead_at.GetCurrentTime()
             pipe.xadd(dead_stream, encode(letter), maxlen=self.maxlen)

@@ -83,5 +83,8 @@ class StreamConsumer(Generic[M]):
     async def ack(self, deliveries: Sequence[Delivery[M]]) -> int:
         return await self.bus.ack(self.stream, self.group, [d.entry_id for d in deliveries])
 
-    async def dead_letter(self, delivery: Delivery[M], reason: str) -> None:
-        await self.bus.dead_letter(self.stream, self.group, self.consumer, delivery, reason)
+    async def dead_letter(self, delivery: Delivery[M], reason: str, *, no_replacement: bool = False) -> None:
+        """Dead-letter an entry this consumer cannot process (see ``Bus.dead_letter``)."""
+        await self.bus.dead_letter(
+            self.stream, self.group, self.consumer, delivery, reason, no_replacement=no_replacement
+        )

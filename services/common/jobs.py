@@ -8,8 +8,10 @@ Keys (besides the streams of services/common/streams.py):
   keyed ``"{source}/{name}"``, e.g. ``"eval/accuracy"``), issued_batches and
   issued_extra (how many prompt batches, and replacement prompts for dropped
   groups, the controller has published, so that a restarted controller carries
-  on where its predecessor stopped) and dropped_groups (how many groups the
-  trainer reported dropped, counted once per control-stream entry).
+  on where its predecessor stopped) and dropped_groups (how many prompts' worth
+  of work was lost: groups the trainer reported dropped, counted once per
+  control-stream entry, and dead-lettered prompt tasks and trajectories,
+  counted once per dead-letter entry; each wants a replacement prompt).
 - ``verst:jobs:index`` (sorted set): job ids by submit time.
 - ``verst:jobs:active`` (set): ids of the jobs that are not finished yet.
 - ``verst:job:{id}:history`` (list): one JSON row per received Metric,
@@ -109,7 +111,8 @@ redis.call('HSET', KEYS[1], 'policy_version', ARGV[1], 'step', ARGV[2], 'updated
 return 1
 """
 
-# Acks a control-stream entry and adds its dropped groups to the job's count, in one step:
+# Acks a control-stream (or dead-letter) entry and adds its dropped groups to the job's count,
+# in one step:
 # only the call that acks the entry counts it, so a redelivered entry is never counted twice
 # and an entry is never acked uncounted. Returns {counted (0/1), total}; -1 for a missing job.
 _COUNT_DROPPED = """
@@ -190,7 +193,8 @@ class JobRecord(JobBrief):
     issued_extra: int
     """Replacement prompts the controller has published for groups the trainer dropped."""
     dropped_groups: int
-    """Groups the trainer reported dropped (each wants a replacement prompt)."""
+    """Groups the trainer reported dropped, and dead-lettered prompt tasks and trajectories
+    (each wants a replacement prompt)."""
 
     @classmethod
     def from_hash(cls, job_id: str, fields: Mapping[bytes, bytes]) -> JobRecord:
@@ -419,11 +423,14 @@ class JobStore:
         pipe.hset(job_key(job_id), mapping=fields)
         await pipe.execute()
 
-    async def count_dropped(self, job_id: str, entry_id: str, groups: int) -> int:
+    async def count_dropped(
+        self, job_id: str, entry_id: str, groups: int, *, stream: str | None = None
+    ) -> int:
         """Add ``groups`` dropped groups, reported by the entry ``entry_id`` of the job's control
-        stream, to the job's ``dropped_groups`` and ack that entry for the controller's group,
-        atomically; an entry acked already is not counted again. Returns the job's new count."""
-        keys = [job_key(job_id), JobStreams(job_id).control]
+        stream (or of ``stream``, its dead-letter stream), to the job's ``dropped_groups`` and ack
+        that entry for the controller's group, atomically; an entry acked already is not counted
+        again. Returns the job's new count."""
+        keys = [job_key(job_id), stream or JobStreams(job_id).control]
         args = [CONTROLLER_GROUP, entry_id, groups, repr(time.time())]
         reply = await self._count_dropped(keys=keys, args=args)
         if reply == -1:

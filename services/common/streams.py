@@ -78,9 +78,15 @@ class JobStreams:
         return self._key("dead")
 
 
+def job_of_stream(stream: str) -> str | None:
+    """The job a stream belongs to (``verst:job:{id}:<kind>``); None for other streams."""
+    parts = stream.split(":")
+    if len(parts) == 4 and parts[0] == PREFIX and parts[1] == "job" and parts[2]:
+        return parts[2]
+    return None
+
+
 def dead_letter_stream(stream: str) -> str:
     """The dead-letter stream for entries of ``stream``: the job's own, else the global one."""
-    parts = stream.split(":")
-    if len(parts) == 4 and parts[0] == PREFIX and parts[1] == "job":
-        return JobStreams(parts[2]).dead
-    return DEAD
+    job_id = job_of_stream(stream)
+    return DEAD if job_id is None else JobStreams(job_id).dead

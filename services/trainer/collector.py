@@ -1,5 +1,8 @@
 """Gathers a job's trajectories into complete groups (the samples of one prompt).
 
+The bus has checked each entry's payload (services/common/payloads.py: an id, a group, this
+job); what makes a group untrainable is checked here, so that the whole group is dropped.
+
 Idempotent by trajectory id: an id trained before is reported so the caller
 acks it without training it again; a second delivery of an id still buffered
 is kept only for its ack, and one of a group already trained or dropped
@@ -32,6 +35,9 @@ class Outcome(enum.Enum):
     """An id trained in an earlier step, or of a group already dropped: ack it now."""
     REJECTED = "rejected"
     """Cannot join any group (see the reason): dead-letter it now."""
+    SURPLUS = "surplus"
+    """Another member of a group that was complete without it: dead-letter it now (its group
+    needs no replacement)."""
 
 
 @dataclass(slots=True)
@@ -124,7 +130,7 @@ class GroupCollector:
         if not trajectory.id or not trajectory.group_id:
             return Outcome.REJECTED, "trajectory has no id or no group_id"
         if trajectory.group_id in self._finished or trajectory.group_id in self._complete:
-            return Outcome.REJECTED, f"group {trajectory.group_id!r} already had {self.group_size} members"
+            return Outcome.SURPLUS, f"group {trajectory.group_id!r} already had {self.group_size} members"
         group = self._open.setdefault(trajectory.group_id, Group(trajectory.group_id))
         group.trajectories[trajectory.id] = trajectory
         group.deliveries.append(delivery)

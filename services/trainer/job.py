@@ -341,8 +341,8 @@ class JobRun:
                     await consumer.ack([delivery])
                 elif outcome is Outcome.REDELIVERED:
                     self.drops.duplicates += 1
-                elif outcome is Outcome.REJECTED:
-                    await consumer.dead_letter(delivery, reason)
+                elif outcome in (Outcome.REJECTED, Outcome.SURPLUS):
+                    await consumer.dead_letter(delivery, reason, no_replacement=outcome is Outcome.SURPLUS)
 
     def _version_of(self) -> tuple[str, int, int]:
         return self.job_id, self.version, self.lineage.epoch
@@ -381,8 +381,8 @@ class JobRun:
         for group in unusable.invalid:
             reason = f"group {group.group_id!r} cannot be trained: " + "; ".join(group.problems)
             log.warning("job %s: %s", self.job_id, reason)
-            for delivery in unique_deliveries([group]):
-                await consumer.dead_letter(delivery, reason)
+            for delivery in unique_deliveries([group]):  # reported dropped below: no_replacement
+                await consumer.dead_letter(delivery, reason, no_replacement=True)
         stale = len(unusable.stale) + len(unusable.foreign)
         self.drops.stale_groups += stale
         if stale or unusable.invalid:

@@ -52,6 +52,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.in_flight = 0
         self.max_in_flight = 0
         self.delay_s = 0.0
+        self.refusal = ""
+        """When set, every Generate is refused with it (INVALID_ARGUMENT), as for a "bad" prompt."""
         self.correct_at_version: Callable[[int, int, int], bool] = lambda a, b, version: False
 
     def answer(self, text: str, index: int, greedy: bool) -> str:
@@ -64,8 +66,10 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
     ) -> rollout_pb2.GenerateResponse:
         self.requests.append(request)
         text = self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=True)
-        if text.startswith("bad"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt tokens out of vocabulary")
+        if text.startswith("bad") or self.refusal:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, self.refusal or "prompt tokens out of vocabulary"
+            )
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.common.bus import DATA_FIELD, TYPE_FIELD, Bus, encode
+from services.common.bus import DATA_FIELD, LATEST_SCAN, TYPE_FIELD, Bus, encode
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
@@ -21,6 +21,7 @@ def trajectory(i: int) -> common_pb2.Trajectory:
         id=f"traj-{i}",
         job_id="job-1",
         prompt_id=f"p-{i // 4}",
+        group_id=f"p-{i // 4}",
         sample_index=i % 4,
         response_token_ids=[i, i + 1, i + 2],
         behaviour_logprobs=[-0.5, -1.0, -1.5],
@@ -28,6 +29,10 @@ def trajectory(i: int) -> common_pb2.Trajectory:
         policy_versions=[3, 3, 4],
         reward=float(i),
     )
+
+
+def handle(version: int) -> common_pb2.CheckpointHandle:
+    return common_pb2.CheckpointHandle(job_id="job-1", version=version, uri=f"file:///ckpt/v{version}")
 
 
 async def dead_letters(bus: Bus, stream: str) -> list[common_pb2.DeadLetter]:
@@ -60,7 +65,7 @@ async def test_at_least_once_unacked_entries_are_redelivered(bus: Bus) -> None:
 async def test_reclaim_leaves_entries_of_live_consumers(bus: Bus) -> None:
     stream = STREAMS.prompts
     await bus.ensure_group(stream, GROUP)
-    await bus.publish(stream, common_pb2.PromptTask(prompt_id="p"))
+    await bus.publish(stream, common_pb2.PromptTask(prompt_id="p", job_id="job-1"))
     await bus.read(stream, GROUP, "a", common_pb2.PromptTask, block_ms=100)
     assert await bus.reclaim(stream, GROUP, "b", common_pb2.PromptTask, min_idle_ms=60_000) == []
     assert await bus.pending_count(stream, GROUP) == 1
@@ -154,7 +159,7 @@ async def test_per_stream_order_is_kept(bus: Bus) -> None:
     await bus.ensure_group(stream, GROUP)
     for start in range(0, 500, 50):
         await bus.publish_many(stream, [trajectory(i) for i in range(start, start + 50)])
-    await bus.publish(STREAMS.prompts, common_pb2.PromptTask(prompt_id="other stream"))
+    await bus.publish(STREAMS.prompts, common_pb2.PromptTask(prompt_id="other stream", job_id="job-1"))
     seen: list[str] = []
     while batch := await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=37, block_ms=50):
         seen += [d.message.id for d in batch]
@@ -209,25 +214,83 @@ async def test_latest_reads_the_newest_message_without_a_group(bus: Bus) -> None
     stream = STREAMS.checkpoints
     assert await bus.latest(stream, common_pb2.CheckpointHandle) is None
     for version in range(3):
-        await bus.publish(stream, common_pb2.CheckpointHandle(version=version))
+        await bus.publish(stream, handle(version))
     latest = await bus.latest(stream, common_pb2.CheckpointHandle)
     assert latest is not None and latest.version == 2
-    with pytest.raises(TypeError, match=r"not a verst\.v1\.Metric"):
+    with pytest.raises(TypeError, match=r"is a good verst\.v1\.Metric.*not the expected 'verst\.v1\.Metric'"):
         await bus.latest(stream, common_pb2.Metric)
+
+
+async def test_latest_passes_over_bad_entries_at_the_end(bus: Bus) -> None:
+    """A bad newest entry must not hide the good handle before it (engines would stop loading)."""
+    stream = STREAMS.checkpoints
+    await bus.publish(stream, handle(3))
+    await bus.redis.xadd(stream, {TYPE_FIELD: b"verst.v1.CheckpointHandle", DATA_FIELD: b"\xff\xff\xff"})
+    await bus.publish(stream, common_pb2.Metric(job_id="job-1"))
+    await bus.publish(stream, common_pb2.CheckpointHandle(job_id="job-2", version=9, uri="file:///v9"))
+    latest = await bus.latest(stream, common_pb2.CheckpointHandle)
+    assert latest is not None and latest.version == 3
+    for _ in range(LATEST_SCAN):
+        await bus.redis.xadd(stream, {TYPE_FIELD: b"verst.v1.CheckpointHandle", DATA_FIELD: b"\xff"})
+    with pytest.raises(TypeError, match=f"none of the newest {LATEST_SCAN} entries"):
+        await bus.latest(stream, common_pb2.CheckpointHandle)
+
+
+async def test_payloads_are_checked_on_every_read(bus: Bus) -> None:
+    """Bytes that decode as the labelled type are not enough: unknown fields, another job's
+    payload or a missing id are dead-lettered with the problem, and nothing stays pending."""
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, GROUP)
+    task = common_pb2.PromptTask(
+        prompt_id="job-1:0:3",
+        job_id="job-1",
+        group_id="job-1:0:3",
+        prompt_token_ids=[5, 6, 7],
+        prompt_text="12+34=",
+        n_samples=2,
+        answer="46",
+    )
+    task.created_at.GetCurrentTime()
+    assert common_pb2.Trajectory.FromString(task.SerializeToString()).id == "job-1:0:3"  # lenient protobuf
+    labelled = await bus.redis.xadd(
+        stream, {TYPE_FIELD: b"verst.v1.Trajectory", DATA_FIELD: task.SerializeToString()}
+    )
+    foreign = trajectory(1)
+    foreign.job_id = "job-2"
+    nested = trajectory(2)
+    nested.stages.MergeFromString(common_pb2.Metric(source="x").SerializeToString())  # field 4: a double
+    no_id = trajectory(3)
+    no_id.id = ""
+    await bus.publish_many(stream, [foreign, nested, no_id, trajectory(4)])
+
+    got = await bus.read(stream, GROUP, "a", common_pb2.Trajectory, count=10, block_ms=100)
+    assert [d.message.id for d in got] == ["traj-4"]
+    assert await bus.pending_count(stream, GROUP) == 1
+    letters = await dead_letters(bus, STREAMS.dead)
+    assert letters[0].entry_id == labelled.decode()
+    prefix = "invalid verst.v1.Trajectory payload: "
+    assert [letter.reason.removeprefix(prefix) for letter in letters] == [
+        "fields not in its schema (5, 16): the bytes of another type?",
+        "job_id 'job-2' is not the stream's job 'job-1'",
+        "fields not in its schema (stages.4): the bytes of another type?",
+        "no id",
+    ]
+    assert all(letter.reason.startswith(prefix) for letter in letters)
+    assert not any(letter.no_replacement for letter in letters)
 
 
 async def test_wait_newer_returns_at_once_for_an_entry_after_the_one_seen(bus: Bus) -> None:
     stream = STREAMS.checkpoints
     assert await bus.newest_id(stream) == "0-0"
     assert await bus.wait_newer(stream, "0-0", block_ms=50) is None  # nothing, after its deadline
-    first = await bus.publish(stream, common_pb2.CheckpointHandle(version=1))
+    first = await bus.publish(stream, handle(1))
     assert await bus.newest_id(stream) == first
     assert await bus.wait_newer(stream, "0-0", block_ms=50) == first  # already there: no wait
     waiting = asyncio.create_task(bus.wait_newer(stream, first, block_ms=5000))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     started = time.monotonic()
-    second = await bus.publish(stream, common_pb2.CheckpointHandle(version=2))
+    second = await bus.publish(stream, handle(2))
     assert await asyncio.wait_for(waiting, 2.0) == second and time.monotonic() - started < 1.0
     with pytest.raises(ValueError, match="block_ms"):
         await bus.wait_newer(stream, first, block_ms=0)

@@ -19,7 +19,7 @@ HERE = Path(__file__).parent
 async def test_killed_consumer_loses_nothing(
     bus: Bus, redis_url: str, tmp_path: Path, python: str, python_env: dict[str, str]
 ) -> None:
-    stream, group = JobStreams("crash").trajectories, "trainer"
+    stream, group = JobStreams("job-1").trajectories, "trainer"  # the job of test_bus.trajectory
     await bus.ensure_group(stream, group)
     await bus.publish_many(stream, [trajectory(i) for i in range(100)])
     done_file = tmp_path / "victim.txt"

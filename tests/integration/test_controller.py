@@ -470,17 +470,18 @@ async def test_a_trainer_cancel_cancels_the_job(
     assert "Trainer.Stop" in (await trainer.store.get(trainer.job_id)).reason
 
 
-async def test_a_rejected_prompt_task_fails_the_job_with_the_reason(
+async def test_a_rejected_prompt_task_is_replaced_and_the_job_runs_on(
     bus: Bus,
     tokenizer_dir: Path,
     services: Services,
     controllers: Controllers,
 ) -> None:
-    """An invalid task will be invalid on every retry: the job fails at once, not at the stall timeout."""
+    """One task the rollout side rejects is one prompt's worth of work lost: it is re-issued
+    (another prompt of the feed), counted once, and the job is not failed for it."""
     _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
     await controllers.start()
     await trainer.publish_version(0)
-    await trainer.wait_for_prompts(1)
+    await trainer.wait_for_prompts(4)
     streams = JobStreams(trainer.job_id)
     await bus.ensure_group(streams.prompts, RUNNERS_GROUP)
     (delivery, *_) = await bus.read(
@@ -488,5 +489,8 @@ async def test_a_rejected_prompt_task_fails_the_job_with_the_reason(
     )
     reason = "invalid task: prompt (7 tokens) + max_new_tokens (64) = 71 exceeds the model's 32 positions"
     await bus.dead_letter(streams.prompts, RUNNERS_GROUP, "r", delivery, reason)
-    await trainer.wait_for_state(FAILED, timeout_s=5.0)
-    assert (await trainer.store.get(trainer.job_id)).reason == f"a prompt task was rejected: {reason}"
+    prompts = await trainer.wait_for_prompts(5)
+    assert [p.prompt_id for p in prompts[4:]] == [f"{trainer.job_id}:extra:0"]
+    record = await trainer.store.get(trainer.job_id)
+    assert (record.state, record.dropped_groups, record.issued_extra) == (RUNNING, 1, 1)
+    assert await bus.pending_count(streams.dead, CONTROLLER_GROUP) == 0

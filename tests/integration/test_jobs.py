@@ -224,6 +224,8 @@ async def test_dropped_groups_are_counted_once_per_control_entry(store: JobStore
     stream = JobStreams(job_id).control
     await bus.ensure_group(stream, CONTROLLER_GROUP)
     signals = [common_pb2.TrainerSignal(job_id=job_id) for _ in range(2)]
+    for signal in signals:
+        signal.groups_dropped.stale = 1
     first, second = await bus.publish_many(stream, signals)
     await bus.read(stream, CONTROLLER_GROUP, "c", common_pb2.TrainerSignal, block_ms=100)
     assert await store.count_dropped(job_id, first, 2) == 2

@@ -65,7 +65,7 @@ def test_collector_completes_groups_and_skips_what_it_has_seen() -> None:
     assert [t.id for t in group.ordered()] == ["a:0", "a:1"]
     assert len(group.deliveries) == 3
     late = collector.add(delivered(trajectory("a", 1, id="a:9"), 5))
-    assert late[0] is Outcome.REJECTED and "already had 2 members" in late[1]
+    assert late[0] is Outcome.SURPLUS and "already had 2 members" in late[1]
     assert collector.add(delivered(trajectory("a", 1), 6))[0] is Outcome.DONE
 
 

@@ -348,7 +348,7 @@ class TrainerSignal(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., groups_dropped: _Optional[_Union[GroupsDropped, _Mapping]] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
-    __slots__ = ("source_stream", "entry_id", "group", "consumer", "reason", "payload_type", "payload", "delivery_count", "dead_at")
+    __slots__ = ("source_stream", "entry_id", "group", "consumer", "reason", "payload_type", "payload", "delivery_count", "dead_at", "no_replacement")
     SOURCE_STREAM_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,7 @@ class DeadLetter(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
     DEAD_AT_FIELD_NUMBER: _ClassVar[int]
+    NO_REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
     source_stream: str
     entry_id: str
     group: str
@@ -367,7 +368,8 @@ class DeadLetter(_message.Message):
     payload: bytes
     delivery_count: int
     dead_at: _timestamp_pb2.Timestamp
-    def __init__(self, source_stream: _Optional[str] = ..., entry_id: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., delivery_count: _Optional[int] = ..., dead_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    no_replacement: bool
+    def __init__(self, source_stream: _Optional[str] = ..., entry_id: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., delivery_count: _Optional[int] = ..., dead_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., no_replacement: _Optional[bool] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id", "weight_transports")
