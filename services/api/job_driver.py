@@ -38,8 +38,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from services.api.config import ApiSettings
 from services.api.dead_letters import RepeatedFailures, failure_limit, replaces_work
 from services.api.evaluation import EvalError, Evaluator
@@ -58,7 +56,7 @@ from services.common.jobs import (
     JobRecord,
     JobStore,
 )
-from services.common.pb import common_pb2, router_pb2
+from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
 from services.tasks import DataError, PromptExample, eval_prompts
 
@@ -286,7 +284,7 @@ class JobDriver:
             elif self.phase is Phase.RUNNING:
                 idle = time.monotonic() - self._last_progress
                 if idle > self.settings.stall_timeout_s:
-                    oldest = await self._served_version()
+                    oldest = await self.deps.stubs.oldest_served_version(self.job_id)
                     served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"
                     self._fail(
                         f"stalled: no new policy version for {idle:.0f}s after version {self.latest_version}"
@@ -442,17 +440,6 @@ class JobDriver:
             max_staleness=self.spec.algorithm.max_staleness,
             steps=self.spec.trainer.steps,
         )
-
-    async def _served_version(self) -> int | None:
-        """The oldest version that an engine of this job serves; None when none serves it (yet)."""
-        try:
-            request = router_pb2.ListEnginesRequest()
-            reply = await self.deps.stubs.router().ListEngines(request, timeout=5.0)
-        except grpc.aio.AioRpcError as err:
-            log.warning("%s: router ListEngines failed: %s: %s", self.job_id, err.code().name, err.details())
-            return None
-        versions = [engine.policy_version for engine in reply.engines if engine.job_id == self.job_id]
-        return min(versions) if versions else None
 
     async def _publish(self, tasks: list[common_pb2.PromptTask], *, extra: bool) -> None:
         """Prompts and the new issued counts, in one MULTI."""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+import grpc
+
 from services.common.config import JobSpec
 from services.common.grpc_client import Channels
-from services.common.pb import reward_pb2_grpc, router_pb2_grpc
+from services.common.pb import reward_pb2_grpc, router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class ServiceStubs:
@@ -21,6 +27,17 @@ class ServiceStubs:
 
     def reward(self, spec: JobSpec) -> reward_pb2_grpc.RewardStub:
         return reward_pb2_grpc.RewardStub(self._channels.get(spec.reward.address or self.reward_address))
+
+    async def oldest_served_version(self, job_id: str) -> int | None:
+        """The oldest version an engine of the job serves, by the router; None when none serves
+        it (yet) or the router does not answer (logged)."""
+        try:
+            reply = await self.router().ListEngines(router_pb2.ListEnginesRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as err:
+            log.warning("%s: router ListEngines failed: %s: %s", job_id, err.code().name, err.details())
+            return None
+        versions = [engine.policy_version for engine in reply.engines if engine.job_id == job_id]
+        return min(versions) if versions else None
 
     async def close(self) -> None:
         await self._channels.close()
