@@ -115,7 +115,7 @@ class MetricHistory(View):
 def create_app(settings: ApiSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bus = Bus(connect(require_redis_url(settings)))
+        bus = Bus(connect(require_redis_url(settings), outage_s=settings.redis_outage_s))
         app.state.store = JobStore(bus.redis)
         app.state.metrics = ApiMetrics()
         app.state.controller = None
