@@ -146,7 +146,8 @@ class OutageRetry(Retry):
             else:
                 # A connection can open while Redis still loads: only a command is an answer.
                 if not _opens_socket(do) and self.clock.answered() and self.clock.on_recovery:
-                    await self.clock.on_recovery()
+                    with contextlib.suppress(RedisError, OSError):  # the call itself succeeded
+                        await self.clock.on_recovery()
                 return result
 
 
