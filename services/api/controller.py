@@ -25,6 +25,7 @@ from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
 from services.common.consumer import consumer_name
 from services.common.jobs import FAILED, QUEUED, ActiveJob, JobNotFoundError, JobStore
+from services.common.outage import RedisOutageError, wait_until_up
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Controller:
             while not stop.is_set():
                 try:
                     await self.sync()
+                except RedisOutageError:  # the client logs the outage; the drivers fail their jobs
+                    await wait_until_up(self.bus.redis, stop)
                 except Exception:  # a Redis outage must not end the controller: try again next poll
                     log.exception("controller: polling the job store failed")
                 self.last_poll = time.monotonic()

@@ -56,6 +56,7 @@ from services.common.jobs import (
     JobRecord,
     JobStore,
 )
+from services.common.outage import RedisOutageError, calm_since, wait_until_up
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
 from services.tasks import DataError, PromptExample, eval_prompts
@@ -119,6 +120,7 @@ class JobDriver:
         """The trainer's SUCCEEDED status."""
         self._outcome: asyncio.Future[Outcome] = loop.create_future()
         self._stopping = asyncio.Event()
+        self._halted = asyncio.Event()  # set by stop: nothing more is written, not the outcome either
         self._draining = False
         self._wake = asyncio.Event()
         """Set when the issuer may have more to do: a new version, or dropped groups."""
@@ -143,6 +145,7 @@ class JobDriver:
 
     def stop(self) -> None:
         """Wind down without touching the job's state (it was cancelled, or the api stops)."""
+        self._halted.set()
         self._conclude(None)
 
     def _conclude(self, outcome: Outcome) -> None:
@@ -169,10 +172,12 @@ class JobDriver:
             while self.phase is not Phase.DONE:
                 self.phase = await self._advance()
                 log.info("%s: %s", self.job_id, self.phase.value)
+        except RedisOutageError as err:  # beyond VERST_REDIS_OUTAGE_S: the job fails
+            self._fail(str(err))
         finally:
             await self._wind_down()
         outcome = self._outcome.result() if self._outcome.done() else None
-        if outcome is None:
+        if outcome is None or not await wait_until_up(self.deps.bus.redis, self._halted):
             log.info("%s: stopped driving", self.job_id)
             return
         state, reason = outcome
@@ -267,7 +272,9 @@ class JobDriver:
         self._draining = True
         for task in self._helpers:
             task.cancel()
-        _, late = await asyncio.wait([self._metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
+        done, late = await asyncio.wait([self._metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
+        for task in done:  # retrieved: a crash is reported once (by _until), not again by the GC
+            _ = task.cancelled() or task.exception()
         if late:
             log.warning(
                 "%s: %d helper tasks still running after %.0fs", self.job_id, len(late), DRAIN_TIMEOUT_S
@@ -282,7 +289,7 @@ class JobDriver:
                 if waited > self.settings.queue_timeout_s:
                     self._fail(queue_timeout_reason(waited))
             elif self.phase is Phase.RUNNING:
-                idle = time.monotonic() - self._last_progress
+                idle = time.monotonic() - calm_since(self.deps.bus.redis, self._last_progress)
                 if idle > self.settings.stall_timeout_s:
                     oldest = await self.deps.stubs.oldest_served_version(self.job_id)
                     served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"

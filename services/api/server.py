@@ -124,7 +124,7 @@ def create_app(settings: ApiSettings, *, exit_when_unhealthy: bool = False) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = require_redis_url(settings)
-        bus = Bus(connect(url))
+        bus = Bus(connect(url, outage_s=settings.redis_outage_s))
         requests = request_client(url, settings)
         app.state.store = JobStore(requests)
         app.state.metrics = ApiMetrics(settings.metrics_refresh_s)

@@ -16,15 +16,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common.outage import DEFAULT_OUTAGE_S, RETRIED_ERRORS, OutageClock, OutageRetry
 from services.common.payloads import DATA_FIELD, TYPE_FIELD, decode_entry
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams, dead_letter_stream
@@ -61,20 +59,32 @@ class _Rejected:
     no_replacement: bool = False
 
 
-def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
-    """An asyncio Redis client that retries dropped connections with backoff.
+def connect(
+    url: str, *, socket_timeout_s: float = 30.0, outage_s: float = DEFAULT_OUTAGE_S
+) -> aioredis.Redis:
+    """An asyncio Redis client that rides through Redis outages of up to ``outage_s``
+    (services pass ``VERST_REDIS_OUTAGE_S``): services/common/outage.py.
 
     ``socket_timeout_s`` bounds every reply; it must exceed any block timeout.
     """
-    return aioredis.Redis.from_url(
+    clock = OutageClock(_server_name(url))
+    client = aioredis.Redis.from_url(
         url,
         decode_responses=False,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=6),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=OutageRetry(clock, outage_s),
+        retry_on_error=list(RETRIED_ERRORS),
         health_check_interval=15,
     )
+    clock.on_recovery = lambda: client.connection_pool.disconnect(inuse_connections=False)
+    return client
+
+
+def _server_name(url: str) -> str:
+    """host:port/db of a Redis URL, without its credentials."""
+    parts = urlsplit(url)
+    return parts.netloc.rpartition("@")[2] + parts.path
 
 
 def encode(message: Message) -> dict[bytes, bytes]:
@@ -102,8 +112,8 @@ class Bus:
         self.block_limit_ms = block_limit_ms or int(((timeout or 30.0) - 1.0) * 1000)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> Bus:
-        return cls(connect(url), **kwargs)
+    def from_url(cls, url: str, *, outage_s: float = DEFAULT_OUTAGE_S, **kwargs: Any) -> Bus:
+        return cls(connect(url, outage_s=outage_s), **kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()

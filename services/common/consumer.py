@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Generic
 
 from services.common.bus import Bus, Delivery, M
+from services.common.outage import calm_since
 
 
 def consumer_name(service: str) -> str:
@@ -58,7 +59,7 @@ class StreamConsumer(Generic[M]):
             await self.bus.ensure_group(self.stream, self.group)
             self._ready = True
         now = time.monotonic()
-        if now >= self._next_reclaim:
+        if now >= self._next_reclaim and self._idle_means_abandoned(now):
             self._next_reclaim = now + self.reclaim_every_s
             reclaimed = await self.bus.reclaim(
                 self.stream,
@@ -79,6 +80,11 @@ class StreamConsumer(Generic[M]):
             count=self.count,
             block_ms=self.block_ms,
         )
+
+    def _idle_means_abandoned(self, now: float) -> bool:
+        """Whether an entry idle for ``reclaim_idle_ms`` was left by a dead consumer: not within
+        that long after a Redis outage, during which live consumers could not renew theirs."""
+        return now - calm_since(self.bus.redis, float("-inf")) >= self.reclaim_idle_ms / 1000
 
     async def ack(self, deliveries: Sequence[Delivery[M]]) -> int:
         return await self.bus.ack(self.stream, self.group, [d.entry_id for d in deliveries])

@@ -178,6 +178,16 @@ class EmbeddedRedis:
             self.process.stdout.close()
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; ``start`` brings it back on the same port
+        (and, with a data directory, with its append-only file)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=5)
+            if self.process.stdout:
+                self.process.stdout.close()
+            self.process = None
+
     def stop(self) -> None:
         """Stop the server (idempotent). SIGTERM lets it flush its append-only file."""
         self._kill()

@@ -1,8 +1,8 @@
 """Process settings shared by every service, read from environment variables.
 
 Each service subclasses ``ServiceSettings`` with its own prefix
-(``VERST_ROUTER_PORT``, ``VERST_REWARD_PORT``, ...). ``REDIS_URL`` and
-``VERST_LOG_LEVEL`` are shared by all. compose/ uses exactly these names.
+(``VERST_ROUTER_PORT``, ``VERST_REWARD_PORT``, ...). ``REDIS_URL``,
+``VERST_REDIS_OUTAGE_S`` and ``VERST_LOG_LEVEL`` are shared by all. compose/ uses exactly these names.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import ClassVar, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.outage import DEFAULT_OUTAGE_S
 
 S = TypeVar("S", bound="ServiceSettings")
 
@@ -29,6 +31,10 @@ class ServiceSettings(BaseSettings):
     """Port to listen on; 0 picks a free one."""
     redis_url: str | None = Field(None, validation_alias=AliasChoices("REDIS_URL"))
     """Redis server, e.g. redis://localhost:6379/0; `verst up` sets it."""
+    redis_outage_s: float = Field(
+        DEFAULT_OUTAGE_S, ge=1.0, le=86_400.0, validation_alias=AliasChoices("VERST_REDIS_OUTAGE_S")
+    )
+    """Seconds a Redis outage is ridden through (calls retried); beyond it the jobs fail."""
     log_level: str = Field(
         "INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", validation_alias=AliasChoices("VERST_LOG_LEVEL")
     )

@@ -142,7 +142,7 @@ ENGINE_BACKENDS: dict[str, Callable[[EngineSettings], Awaitable[Engine | None]]]
 
 
 async def serve_engine(settings: EngineSettings) -> None:
-    redis = connect(require_redis_url(settings))
+    redis = connect(require_redis_url(settings), outage_s=settings.redis_outage_s)
     try:
         engine = await ENGINE_BACKENDS[settings.backend](settings)
         if engine is None:

@@ -207,7 +207,7 @@ class Router(router_pb2_grpc.RouterServicer):
 
 
 async def serve_router(settings: RouterSettings) -> None:
-    redis = connect(require_redis_url(settings))
+    redis = connect(require_redis_url(settings), outage_s=settings.redis_outage_s)
     router = Router(settings, EngineRegistry(redis))
     try:
         await serve(settings, router.register, background=router.run)

@@ -29,6 +29,7 @@ from services.common.grpc_client import Channels
 from services.common.grpc_server import serve
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import JobRecord, JobStore
+from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
@@ -96,6 +97,8 @@ class Runner:
             while not stop.is_set():
                 try:
                     await self.refresh_jobs()
+                except RedisOutageError:  # the client logs the outage
+                    await wait_until_up(self.bus.redis, stop)
                 except Exception:  # a Redis outage must not end the runner: try again later
                     log.exception("runner: reading the running jobs failed")
                 with contextlib.suppress(TimeoutError):
@@ -146,6 +149,10 @@ class Runner:
         while await self._take_slot(loop.stop):
             try:
                 deliveries = await consumer.poll()
+            except RedisOutageError:  # the client logs the outage: wait for Redis, quietly
+                self._slots.release()
+                await wait_until_up(self.bus.redis, loop.stop)
+                continue
             except Exception:
                 self._slots.release()
                 log.exception("%s: reading prompts failed; retrying", loop.record.job_id)
@@ -257,7 +264,7 @@ class Runner:
 
 
 async def _consume_until(settings: RunnerSettings, redis_url: str, stop: asyncio.Event) -> None:
-    bus = Bus.from_url(redis_url, max_deliveries=settings.max_deliveries)
+    bus = Bus.from_url(redis_url, outage_s=settings.redis_outage_s, max_deliveries=settings.max_deliveries)
     try:
         await Runner(bus, JobStore(bus.redis), settings).run(stop)
     finally:

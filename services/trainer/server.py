@@ -81,7 +81,9 @@ def trainer_device(settings: TrainerSettings) -> torch.device:
 async def serve_trainer(settings: TrainerSettings, device: torch.device | None = None) -> None:
     """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
     device = device or trainer_device(settings)
-    bus = Bus.from_url(require_redis_url(settings), max_deliveries=settings.max_deliveries)
+    bus = Bus.from_url(
+        require_redis_url(settings), outage_s=settings.redis_outage_s, max_deliveries=settings.max_deliveries
+    )
     worker = TrainerWorker(bus, settings, device)
     try:
         await serve(settings, registrar(worker), background=worker.run)

@@ -17,6 +17,7 @@ from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer, consumer_name
 from services.common.engine_registry import EngineRegistry
 from services.common.jobs import JobStore, decode_submission
+from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, JobStreams
 from services.trainer.config import TrainerSettings
@@ -71,6 +72,9 @@ class TrainerWorker:
             while not shutdown.is_set():
                 try:
                     deliveries = await consumer.poll()
+                except RedisOutageError:  # logged by the client: wait for Redis, quietly
+                    await wait_until_up(self.bus.redis, shutdown)
+                    continue
                 except RedisError as err:
                     log.warning("reading %s failed, retrying: %s", JOBS, err)
                     await asyncio.sleep(1.0)
@@ -116,6 +120,10 @@ class TrainerWorker:
             await self._finish(consumer, delivery, common_pb2.JOB_STATE_SUCCEEDED, "")
         except JobStopped as stop:
             await self._stopped(consumer, delivery, stop)
+        except RedisOutageError as err:  # the job fails, as soon as that can be recorded
+            log.error("job %s failed: %s", job_id, err)
+            if await wait_until_up(self.bus.redis, shutdown):
+                await self._finish(consumer, delivery, common_pb2.JOB_STATE_FAILED, str(err))
         except Exception as err:
             log.exception("job %s failed", job_id)
             await self._finish(
