@@ -74,9 +74,9 @@ async def test_calls_in_flight_wait_out_a_crash_and_the_reload(
     bus = Bus(connect(server.url, outage_s=60))
     stream = "outage:tasks"
     await bus.ensure_group(stream, "g")
-    first = await bus.publish(stream, Task(prompt_id="a"))
+    first = await bus.publish(stream, Task(prompt_id="a", job_id="j"))
     server.kill()
-    publish = asyncio.create_task(bus.publish(stream, Task(prompt_id="b")))
+    publish = asyncio.create_task(bus.publish(stream, Task(prompt_id="b", job_id="j")))
     read = asyncio.create_task(bus.read(stream, "g", "c", Task, block_ms=500))
     await asyncio.sleep(6.0)  # longer than a retry budget of a few attempts would last
     assert not publish.done() and not read.done()
@@ -151,7 +151,7 @@ async def test_entries_idle_through_an_outage_are_not_reclaimed_right_after_it(
     bus = Bus(connect(server.url, outage_s=60))
     stream = "outage:held"
     await bus.ensure_group(stream, "g")
-    await bus.publish(stream, Task(prompt_id="held"))
+    await bus.publish(stream, Task(prompt_id="held", job_id="j"))
     assert len(await bus.read(stream, "g", "holder", Task, block_ms=100)) == 1
     server.kill()
     pending = asyncio.create_task(bus.pending_count(stream, "g"))
