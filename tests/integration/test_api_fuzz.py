@@ -3,7 +3,7 @@ values just out of bounds, wrong types, odd strings: lone surrogates, huge, non-
 app over a real Redis, asserting that none is answered with a 5xx and every code is one the schema
 declares for that operation.
 
-hypothesis and schemathesis are not dependencies of verst; this generator walks the schema with a
+Beside schemathesis (test_api_schemathesis.py), this generator walks the schema with a
 seeded ``random.Random``, so every run sends the same FUZZ_EXAMPLES requests.
 """
 

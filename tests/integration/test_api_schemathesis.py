@@ -1,0 +1,73 @@
+"""schemathesis on the api's own OpenAPI: every operation, with hypothesis generating valid and
+invalid requests from the schema (bounded and derandomized, so every run sends the same), against
+a real api process (uvicorn, with its controller and its token) over real Redis. None may be a
+5xx, and every status must be one the schema declares for the operation."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.generation import GenerationMode
+from schemathesis.specs.openapi.checks import status_code_conformance
+
+from tests.conftest import ROOT
+from tests.integration.api_process import ApiProcess
+
+TOKEN = "schemathesis-token-0123456789"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+EXAMPLES_PER_OPERATION = 50
+
+
+@pytest.fixture
+def api(redis_url: str) -> Iterator[ApiProcess]:
+    env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VERST_LOG_LEVEL": "WARNING"}
+    process = ApiProcess(sys.executable, env, redis_url, TOKEN=TOKEN, CHECK_SPECS="false")
+    try:
+        process.wait_until_serving()
+        yield process
+    finally:
+        code, output = process.stop()
+        assert code == 0, output
+
+
+def check_operation(operation: Any, mode: Any, seen: Counter[int]) -> None:
+    """EXAMPLES_PER_OPERATION requests that hypothesis draws from the operation's schema: valid
+    ones (POSITIVE) or ones that break it (NEGATIVE)."""
+
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(mode))
+    def send(case: Any) -> None:
+        reply = case.call(headers=HEADERS, timeout=30)
+        seen[reply.status_code] += 1
+        where = (case.method, case.formatted_path, reply.status_code)
+        assert reply.status_code < 500, (*where, reply.text[:300])
+        case.validate_response(reply, checks=[status_code_conformance])
+
+    try:
+        send()
+    except Unsatisfiable:  # an operation without inputs has no invalid request to send
+        assert mode is GenerationMode.NEGATIVE and not operation.path_parameters
+
+
+def test_the_openapi_under_schemathesis_gets_no_5xx(api: ApiProcess) -> None:
+    schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", headers=HEADERS)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    seen: Counter[int] = Counter()
+    for operation in operations:
+        for mode in GenerationMode:
+            check_operation(operation, mode, seen)
+    print(f"schemathesis: {len(operations)} operations, outcomes {sorted(seen.items())}")
+    assert len(operations) >= 6 and sum(seen.values()) >= 4 * len(operations)
