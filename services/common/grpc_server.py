@@ -10,15 +10,18 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.grpc_options import KEEPALIVE, KeepAlive
 from services.common.settings import ServiceSettings, load_settings, setup_logging
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-"""Large enough for a batch of long trajectories in one ScoreBatch or Generate reply."""
-
 Register = Callable[[grpc.aio.Server], Iterable[str]]
 """Adds servicers to a server and returns their full service names (for health)."""
+
+
+def make_server(keepalive: KeepAlive = KEEPALIVE) -> grpc.aio.Server:
+    """A gRPC server that admits the pings of verst's channels (grpc_options.py)."""
+    return grpc.aio.server(options=keepalive.server_options())
 
 
 def shutdown_event() -> asyncio.Event:
@@ -42,12 +45,7 @@ async def serve(
     the shutdown event; it must return soon after the event is set.
     """
     stop = shutdown_event()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
-    )
+    server = make_server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(register(server)) if register else []
