@@ -43,7 +43,7 @@ class ApiSettings(RolloutClientSettings):
     """How long an evaluation waits for an engine to serve the version it evaluates."""
     eval_concurrency: int = Field(16, ge=1, le=4096)
     """Evaluation Generate calls in flight at once, per job."""
-    reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)
+    reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
     """Controller stream entries left unacked this long by a dead api are taken over."""
     repeated_failures: int = Field(16, ge=2, le=1_000_000)
     """Dead letters of a job with one reason and no new policy version between them that fail the

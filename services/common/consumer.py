@@ -11,6 +11,10 @@ from typing import Generic
 from services.common.bus import Bus, Delivery, M
 from services.common.outage import calm_since
 
+SCANS_PER_IDLE_BOUND = 5
+"""A consumer looks for abandoned entries this many times per ``reclaim_idle_ms`` (at most every
+5 s), so that a dead peer's work is taken over within 1.2 idle bounds of its last renewal."""
+
 
 def consumer_name(service: str) -> str:
     """A name unique to this process, so that a restart is a new consumer and the
@@ -21,11 +25,11 @@ def consumer_name(service: str) -> str:
 class StreamConsumer(Generic[M]):
     """Reads one stream as one member of a consumer group.
 
-    Each ``poll`` first (every ``reclaim_every_s``) takes over entries that have
-    been pending on any consumer for ``reclaim_idle_ms``, then reads new ones.
-    ``reclaim_idle_ms`` must exceed the longest time a live consumer holds an
-    entry before acking it, or live work is handed out twice (which idempotent
-    consumers tolerate, but it wastes work).
+    Each ``poll`` first (every ``reclaim_every_s``, by default a fifth of the idle bound)
+    takes over entries that have been pending on any consumer for ``reclaim_idle_ms``, then
+    reads new ones. A live consumer that holds an entry longer than ``reclaim_idle_ms`` renews
+    it (``Bus.touch``) well within that bound, or live work is handed out twice (which
+    idempotent consumers tolerate, but it wastes work).
     """
 
     def __init__(
@@ -38,8 +42,8 @@ class StreamConsumer(Generic[M]):
         *,
         count: int = 100,
         block_ms: int = 1000,
-        reclaim_idle_ms: int = 60_000,
-        reclaim_every_s: float = 5.0,
+        reclaim_idle_ms: int = 5_000,
+        reclaim_every_s: float | None = None,
     ) -> None:
         self.bus = bus
         self.stream = stream
@@ -49,6 +53,8 @@ class StreamConsumer(Generic[M]):
         self.count = count
         self.block_ms = block_ms
         self.reclaim_idle_ms = reclaim_idle_ms
+        if reclaim_every_s is None:
+            reclaim_every_s = min(5.0, reclaim_idle_ms / 1000 / SCANS_PER_IDLE_BOUND)
         self.reclaim_every_s = reclaim_every_s
         self._next_reclaim = 0.0
         self._ready = False

@@ -18,9 +18,10 @@ class RunnerSettings(RolloutClientSettings):
     """Port of the runner's health service; 0 picks a free one."""
     max_concurrent_groups: int = Field(32, ge=1, le=65_536)
     """PromptTasks (groups of n samples) in flight at once, over all jobs."""
-    reclaim_idle_ms: int = Field(30_000, ge=100, le=86_400_000)
+    reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
     """A task left unacked this long (its runner died, or its rollout failed) is retried by any
-    runner; live runners renew the tasks they work on three times per period."""
+    runner, which looks every fifth of it; live runners renew the tasks they work on every fifth
+    of it, at most a second apart."""
     jobs_refresh_s: float = Field(1.0, ge=0.05, le=300.0)
     """How often the runner looks for jobs that started or finished."""
     max_deliveries: int = Field(5, ge=1, le=1000)

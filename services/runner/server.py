@@ -29,6 +29,7 @@ from services.common.grpc_client import Channels
 from services.common.grpc_server import serve
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import JobRecord, JobStore
+from services.common.leases import renew_every
 from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 GROUP = RUNNERS_GROUP
 POLL_BLOCK_MS = 500
 """How long one read of a prompts stream waits for a task."""
-KEEPALIVE_FRACTION = 3
-"""Tasks in flight have their idle time reset this many times per reclaim_idle_ms."""
+KEEPALIVES_PER_RECLAIM = 5
+"""Tasks in flight have their idle time reset at least this many times per reclaim_idle_ms."""
+MAX_KEEPALIVE_S = 1.0
+"""And at least this often."""
 
 
 @dataclass
@@ -131,7 +134,6 @@ class Runner:
         await asyncio.gather(*(loop.task for loop in loops if loop.task), return_exceptions=True)
 
     def _prompt_consumer(self, job_id: str) -> StreamConsumer[common_pb2.PromptTask]:
-        idle_ms = self.settings.reclaim_idle_ms
         return StreamConsumer(
             self.bus,
             JobStreams(job_id).prompts,
@@ -140,12 +142,12 @@ class Runner:
             common_pb2.PromptTask,
             count=1,  # one delivery per free slot
             block_ms=POLL_BLOCK_MS,
-            reclaim_idle_ms=idle_ms,
-            reclaim_every_s=min(5.0, max(0.2, idle_ms / 2000)),
+            reclaim_idle_ms=self.settings.reclaim_idle_ms,
         )
 
     async def _consume(self, loop: JobLoop) -> None:
         consumer = self._prompt_consumer(loop.record.job_id)
+        await self._prepare(loop)
         while await self._take_slot(loop.stop):
             try:
                 deliveries = await consumer.poll()
@@ -181,6 +183,14 @@ class Runner:
             return False
         return True
 
+    async def _prepare(self, loop: JobLoop) -> None:
+        """Load the job's tokenizer (and transformers, a slow import) before its first task, so
+        that a task taken over from a runner that died is not kept waiting for it."""
+        try:
+            await self._clients(loop)
+        except Exception as err:  # the first task tries again
+            log.warning("%s: not ready for its tasks yet: %s", loop.record.job_id, err)
+
     async def _process(
         self,
         loop: JobLoop,
@@ -214,19 +224,16 @@ class Runner:
             self._slots.release()
 
     async def _keep_alive(self, stop: asyncio.Event) -> None:
-        """Reset the idle time of the tasks in flight (XCLAIM JUSTID, which counts no delivery),
-        so that only the tasks of a runner that died, or that failed, are reclaimed."""
-        period_s = self.settings.reclaim_idle_ms / 1000 / KEEPALIVE_FRACTION
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), period_s)
-            for stream, entry_ids in list(self._held.items()):
-                if not entry_ids:
-                    continue
-                try:
-                    await self.bus.touch(stream, GROUP, self.consumer, list(entry_ids))
-                except Exception:  # a Redis outage: the next round tries again
-                    log.exception("could not renew %d tasks of %s", len(entry_ids), stream)
+        """Reset the idle time of the tasks in flight (XCLAIM JUSTID, which counts no delivery)
+        every fifth of reclaim_idle_ms, at most a second apart (leases.py), so that only the tasks
+        of a runner that died, or that failed, are reclaimed."""
+        period_s = min(MAX_KEEPALIVE_S, self.settings.reclaim_idle_ms / 1000 / KEEPALIVES_PER_RECLAIM)
+        await renew_every(period_s, self._renew, what="runner tasks in flight", stop=stop)
+
+    async def _renew(self) -> None:
+        for stream, entry_ids in list(self._held.items()):
+            if entry_ids:
+                await self.bus.touch(stream, GROUP, self.consumer, list(entry_ids))
 
     async def _clients(self, loop: JobLoop) -> GroupClients:
         spec = loop.record.spec

@@ -9,6 +9,9 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
+KEEPALIVES_PER_RECLAIM = 3
+"""Renewals a live trainer makes at least within each reclaim idle bound."""
+
 
 class TrainerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="VERST_TRAINER_")
@@ -24,15 +27,17 @@ class TrainerSettings(ServiceSettings):
     """CPU threads for torch; 0 keeps torch's default."""
     poll_block_ms: int = Field(1000, ge=10, le=20_000)
     """Longest wait of one stream read (jobs or trajectories) before looking at stop requests again."""
-    job_reclaim_idle_ms: int = Field(60_000, ge=1000, le=86_400_000)
-    """A job held this long by a trainer that stopped sending keep-alives is taken over by another."""
-    trajectory_reclaim_idle_ms: int = Field(60_000, ge=1000, le=86_400_000)
+    job_reclaim_idle_ms: int = Field(5000, ge=1000, le=86_400_000)
+    """A job held this long by a trainer that stopped sending keep-alives is taken over by another
+    (which looks every fifth of it): a dead trainer's job moves within about 1.2 times this."""
+    trajectory_reclaim_idle_ms: int = Field(5000, ge=1000, le=86_400_000)
     """Trajectories pending this long on a silent consumer (a dead trainer) are taken over."""
     max_deliveries: int = Field(5, ge=1, le=1000)
     """Deliveries of a job or trajectory without an ack before it is dead-lettered as a poison
     message; every trainer that dies redelivers what it held (a job, unacked trajectories)."""
-    keepalive_s: float = Field(5.0, gt=0.0, le=3600.0)
-    """How often the trainer renews its claim on its job and on buffered trajectories."""
+    keepalive_s: float = Field(1.0, gt=0.0, le=3600.0)
+    """How often the trainer renews its claim on its job and on buffered trajectories (at most a
+    third of the shorter reclaim bound, so that a late renewal or two is no takeover)."""
     stop_wait_s: float = Field(600.0, gt=0.0, le=86_400.0)
     """Longest a Stop call waits for the job to end at its step boundary (it ends all the same)."""
     distributed_timeout_s: float = Field(600.0, ge=10.0, le=86_400.0)
@@ -59,6 +64,6 @@ class TrainerSettings(ServiceSettings):
     def _keepalive_beats_reclaim(cls, value: float, info: ValidationInfo) -> float:
         names = ("job_reclaim_idle_ms", "trajectory_reclaim_idle_ms")
         bounds = [info.data[name] for name in names if name in info.data]  # absent when invalid
-        if bounds and value * 1000 * 2 > min(bounds):
-            raise ValueError("must be at most half of the shorter of the *_RECLAIM_IDLE_MS settings")
+        if bounds and value * 1000 * KEEPALIVES_PER_RECLAIM > min(bounds):
+            raise ValueError("must be at most a third of the shorter of the *_RECLAIM_IDLE_MS settings")
         return value

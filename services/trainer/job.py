@@ -21,12 +21,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from redis.exceptions import RedisError
 
 from services.common.bus import Bus, Delivery
 from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.jobs import TERMINAL_STATES, JobStore
+from services.common.leases import renew_every
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
@@ -469,21 +469,12 @@ class JobRun:
     # -- keep-alive ------------------------------------------------------------------------
 
     async def _keep_alive(self) -> None:
-        """Renew the claims on the job and the held trajectories, so that no other trainer
-        takes them while this one works; notice when the job ended elsewhere."""
-        while True:
-            await asyncio.sleep(self.settings.keepalive_s)
-            try:
-                await self._renew_claims()
-                state = await self.jobs.state(self.job_id)
-                if state in TERMINAL_STATES:
-                    reason = f"the job store has the job {state}"
-                    self.control.stop(JobStopped(StopKind.ENDED_ELSEWHERE, reason))
-            except JobStopped as stop:
-                self.control.stop(stop)
-                return
-            except RedisError as err:
-                log.warning("job %s: keep-alive failed, retrying: %s", self.job_id, err)
+        """Renew the claims on the job and the held trajectories every ``keepalive_s`` (leases.py),
+        so that no other trainer takes them while this one works; let the job go once another holds it."""
+        try:
+            await renew_every(self.settings.keepalive_s, self._renew_claims, what=f"job {self.job_id}")
+        except JobStopped as stop:
+            self.control.stop(stop)
 
     async def _renew_claims(self) -> None:
         entry = self.submission_entry_id
@@ -497,3 +488,6 @@ class JobRun:
             + self.lineage.held_entry_ids()
         )
         await self.bus.touch(self.streams.trajectories, TRAJECTORY_GROUP, self.consumer, held)
+        state = await self.jobs.state(self.job_id)
+        if state in TERMINAL_STATES:  # stop after the step; the claims stay renewed until then
+            self.control.stop(JobStopped(StopKind.ENDED_ELSEWHERE, f"the job store has the job {state}"))

@@ -78,9 +78,21 @@ def trainer_device(settings: TrainerSettings) -> torch.device:
         raise SystemExit(f"{settings.service_name}: {err}") from None
 
 
+def warm_up(device: torch.device) -> None:
+    """Blocking: what every job needs first, done before the trainer waits for jobs, so that it
+    takes over a dead trainer's job in seconds: transformers' model classes (a slow import) and
+    DeepSpeed's process group (once per process; already there under run_rank)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    from services.trainer.policy import init_distributed
+
+    init_distributed(device)
+
+
 async def serve_trainer(settings: TrainerSettings, device: torch.device | None = None) -> None:
-    """Serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
+    """Warm up, then serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
     device = device or trainer_device(settings)
+    await asyncio.to_thread(warm_up, device)
     bus = Bus.from_url(
         require_redis_url(settings), outage_s=settings.redis_outage_s, max_deliveries=settings.max_deliveries
     )

@@ -426,7 +426,7 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
     assert "published checkpoint v1" in output, output
     assert not (runs / job_id / "v000001").exists()  # weights only: g0 and g1 stay unacked
 
-    async with trainer(bus, job_reclaim_idle_ms=1000, trajectory_reclaim_idle_ms=1000):
+    async with trainer(bus, keepalive_s=0.3, job_reclaim_idle_ms=1000, trajectory_reclaim_idle_ms=1000):
         # No durable checkpoint survived the kill: the job begins again from the base model as
         # epoch 2, and g2, sampled by the lost epoch's v1, is dropped; g0 and g1 are trained again.
         async def epoch_2_v1() -> common_pb2.CheckpointHandle | None:

@@ -37,7 +37,7 @@ def trainer_env(redis_url: str, **settings: Any) -> dict[str, str]:
     fast = {
         "port": 0,
         "poll_block_ms": 50,
-        "keepalive_s": 0.4,
+        "keepalive_s": 0.3,
         "job_reclaim_idle_ms": 1000,
         "trajectory_reclaim_idle_ms": 1000,
         "torch_threads": 1,
