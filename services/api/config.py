@@ -43,6 +43,9 @@ class ApiSettings(RolloutClientSettings):
     """How long an evaluation waits for an engine to serve the version it evaluates."""
     eval_concurrency: int = Field(16, ge=1, le=4096)
     """Evaluation Generate calls in flight at once, per job."""
+    eval_attempts: int = Field(3, ge=1, le=20)
+    """Attempts of each evaluation call (Generate, ScoreBatch) whose engine, router or reward
+    service failed or went away; a retried Generate waits for an engine that serves the version."""
     reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
     """Controller stream entries left unacked this long by a dead api are taken over."""
     repeated_failures: int = Field(16, ge=2, le=1_000_000)

@@ -40,7 +40,7 @@ from typing import Any
 
 from services.api.config import ApiSettings
 from services.api.dead_letters import RepeatedFailures, failure_limit, replaces_work
-from services.api.evaluation import EvalError, Evaluator
+from services.api.job_evals import JobEvals
 from services.api.job_feed import PromptFeed
 from services.api.pacing import Issue, plan_issue
 from services.api.stubs import ServiceStubs
@@ -59,7 +59,7 @@ from services.common.jobs import (
 from services.common.outage import RedisOutageError, calm_since, wait_until_up
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
-from services.tasks import DataError, PromptExample, eval_prompts
+from services.tasks import DataError, eval_prompts
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class JobDriver:
         self.latest_version = record.policy_version
         self.resumed = record.state == RUNNING
         self.tokenizer: Any = None
-        self.eval_examples: list[PromptExample] = []
+        self.evals = JobEvals(deps.bus, deps.stubs, deps.settings, deps.metrics, record.job_id, record.spec)
         self._first_handle: asyncio.Future[common_pb2.CheckpointHandle] = loop.create_future()
         self._trainer_done: asyncio.Future[common_pb2.JobStatus] = loop.create_future()
         """The trainer's SUCCEEDED status."""
@@ -134,8 +134,6 @@ class JobDriver:
         self._version_at = 0.0
         """Unix seconds when the newest version's handle was published (its created_at)."""
         """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
-        self._evaluated: set[int] = set()
-        self._eval_queue: asyncio.Queue[int] = asyncio.Queue()
         self._helpers: list[asyncio.Future[None]] = []
         """Followers, the watchdog, the issuer and the evaluator: a crash of one ends run."""
         self._issuing: list[asyncio.Future[None]] = []
@@ -226,9 +224,10 @@ class JobDriver:
         consumed = record.issued_batches * self.spec.rollout.prompts_per_step + record.issued_extra
         try:
             self.tokenizer = await asyncio.to_thread(load_job_tokenizer, self.spec, handle)
-            self.eval_examples = await asyncio.to_thread(
+            self.evals.examples = await asyncio.to_thread(
                 eval_prompts, self.spec.data, self.spec.eval.num_prompts
             )
+            self.evals.tokenizer = self.tokenizer
             feed = PromptFeed(self.spec, self.job_id, self.tokenizer, consumed=consumed)
         except (OSError, ValueError) as err:  # DataError is a ValueError; so are tokenizer load errors
             kind = "data" if isinstance(err, DataError) else f"tokenizer of checkpoint v{handle.version}"
@@ -237,9 +236,9 @@ class JobDriver:
         if not self.resumed:
             await self.store.set_state(self.job_id, RUNNING)
             await self.store.update_progress(self.job_id, handle.version, handle.step)
-            if self.spec.eval.at_start and self.eval_examples:
-                await self._evaluate(handle.version)
-        self._issuing = [self._spawn(self._run_evals()), self._spawn(self._issue(feed))]
+            if self.spec.eval.at_start and self.evals.examples:
+                await self.evals.evaluate(handle.version)
+        self._issuing = [self._spawn(self.evals.run(self._stopping)), self._spawn(self._issue(feed))]
         self._last_progress = time.monotonic()
         return Phase.RUNNING
 
@@ -254,8 +253,8 @@ class JobDriver:
         status = self._trainer_done.result()
         final = max(status.policy_version, self.latest_version)
         reason = ""
-        if self.eval_examples and final not in self._evaluated:
-            error = await self._evaluate(final)
+        if self.evals.examples and final not in self.evals.done:
+            error = await self.evals.evaluate(final)
             if error:
                 reason = f"training finished at version {final}; the final evaluation failed: {error}"
         self._conclude((SUCCEEDED, reason))
@@ -339,7 +338,7 @@ class JobDriver:
             self._wake.set()
             every = self.spec.eval.every_steps
             if every and handle.version % every == 0 and handle.version < self.spec.trainer.steps:
-                self._eval_queue.put_nowait(handle.version)
+                self.evals.due(handle.version)
         await self.store.update_progress(self.job_id, handle.version, handle.step)
         return True
 
@@ -419,7 +418,7 @@ class JobDriver:
             if self._draining and not deliveries:
                 return
 
-    # -- rollouts and evaluation -----------------------------------------------------------------
+    # -- rollouts --------------------------------------------------------------------------------
 
     async def _issue(self, feed: PromptFeed) -> None:
         """Publish paced batches (up to trainer.steps of them) and replacements for dropped groups."""
@@ -468,33 +467,3 @@ class JobDriver:
                 self.job_id, "controller", lag, step=self.latest_version, policy_version=self.latest_version
             )
         log.info("%s: issued %s at version %d", self.job_id, what, self.latest_version)
-
-    async def _run_evals(self) -> None:
-        while not self._stopping.is_set():
-            version = await self._eval_queue.get()
-            if version not in self._evaluated:
-                await self._evaluate(version)
-
-    async def _evaluate(self, version: int) -> str:
-        """Evaluate the policy once an engine serves ``version``; returns an error text or ""."""
-        stubs, metrics = self.deps.stubs, self.deps.metrics
-        concurrency = self.settings.eval_concurrency
-        evaluator = Evaluator(
-            stubs.router(), stubs.reward(self.spec), self.spec, self.job_id, concurrency=concurrency
-        )
-        try:
-            served = await evaluator.wait_for_version(version, self.settings.eval_engine_timeout_s)
-            if served in self._evaluated:
-                return ""
-            result = await evaluator.evaluate(f"v{version}", self.eval_examples, self.tokenizer)
-        except EvalError as err:
-            metrics.evaluations.labels(outcome="failed").inc()
-            log.warning("%s: evaluation of version %d failed: %s", self.job_id, version, err)
-            return str(err)
-        self._evaluated.add(result.version)
-        metrics.evaluations.labels(outcome="ok").inc()
-        await self.deps.bus.publish_metric(
-            self.job_id, "eval", result.metric_values(), step=result.version, policy_version=result.version
-        )
-        log.info("%s: eval of version %d: accuracy %.3f", self.job_id, result.version, result.accuracy)
-        return ""

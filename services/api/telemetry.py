@@ -59,8 +59,14 @@ class ApiMetrics:
         )
         self.evaluations = Counter(
             "verst_controller_evaluations",
-            "Evaluations run by this controller, by outcome (ok, failed).",
+            "Evaluations run by this controller, by outcome (ok, failed: lost after every attempt).",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.evaluation_retries = Counter(
+            "verst_controller_evaluation_retries",
+            "Evaluation calls (Generate, ScoreBatch) made again after their engine, router or "
+            "reward service failed.",
             registry=self.registry,
         )
 

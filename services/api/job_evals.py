@@ -1,0 +1,89 @@
+"""The evaluations of one job, as its driver schedules them: each version once, the results on
+the job's metrics stream (source ``eval``), every outcome counted.
+
+One evaluation is ``evaluation.Evaluator``'s: it waits for an engine to serve the version, and
+makes a call again when its engine, the router or the reward service failed (retries counted in
+``verst_controller_evaluation_retries``). An evaluation that fails all the same is lost, never
+silently: an ERROR line and ``verst_controller_evaluations{outcome="failed"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from services.api.config import ApiSettings
+from services.api.evaluation import EvalError, Evaluator
+from services.api.stubs import ServiceStubs
+from services.api.telemetry import ApiMetrics
+from services.common.bus import Bus
+from services.common.config import JobSpec
+from services.tasks import PromptExample
+
+log = logging.getLogger(__name__)
+
+
+class JobEvals:
+    """Evaluates versions of one job on demand (``evaluate``) or as they come due (``due``, ``run``)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        stubs: ServiceStubs,
+        settings: ApiSettings,
+        metrics: ApiMetrics,
+        job_id: str,
+        spec: JobSpec,
+    ) -> None:
+        self.bus, self.stubs, self.settings, self.metrics = bus, stubs, settings, metrics
+        self.job_id = job_id
+        self.spec = spec
+        self.examples: list[PromptExample] = []
+        """The held-out prompts (none: no evaluation runs)."""
+        self.tokenizer: Any = None
+        self.done: set[int] = set()
+        """Versions evaluated (labelled by the oldest version among the answers' tokens)."""
+        self._due: asyncio.Queue[int] = asyncio.Queue()
+
+    def due(self, version: int) -> None:
+        """``version`` is due for its periodic evaluation (``run`` makes it)."""
+        self._due.put_nowait(version)
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Evaluate the versions that come due, one at a time, until ``stopping``."""
+        while not stopping.is_set():
+            version = await self._due.get()
+            if version not in self.done:
+                await self.evaluate(version)
+
+    async def evaluate(self, version: int) -> str:
+        """Evaluate the policy once an engine serves ``version``; returns an error text or ""."""
+        settings = self.settings
+        evaluator = Evaluator(
+            self.stubs.router(),
+            self.stubs.reward(self.spec),
+            self.spec,
+            self.job_id,
+            concurrency=settings.eval_concurrency,
+            attempts=settings.eval_attempts,
+            engine_timeout_s=settings.eval_engine_timeout_s,
+        )
+        try:
+            served = await evaluator.wait_for_version(version, settings.eval_engine_timeout_s)
+            if served in self.done:
+                return ""
+            result = await evaluator.evaluate(version, self.examples, self.tokenizer)
+        except EvalError as err:
+            self.metrics.evaluations.labels(outcome="failed").inc()
+            log.error("%s: evaluation of version %d lost: %s", self.job_id, version, err)
+            return str(err)
+        finally:
+            self.metrics.evaluation_retries.inc(evaluator.retries)
+        self.done.add(result.version)
+        self.metrics.evaluations.labels(outcome="ok").inc()
+        await self.bus.publish_metric(
+            self.job_id, "eval", result.metric_values(), step=result.version, policy_version=result.version
+        )
+        log.info("%s: eval of version %d: accuracy %.3f", self.job_id, result.version, result.accuracy)
+        return ""

@@ -1,0 +1,124 @@
+"""Evaluations survive their engine or router dying mid-call (services/api/evaluation.py): each
+failed call is made again, within bounded attempts, and only when every attempt fails is the
+evaluation lost, with an error. Real gRPC servers stand in for the router and the reward service
+(tests/integration/fake_services.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from services.api.evaluation import EvalError, Evaluator
+from services.common.config import JobSpec
+from services.common.grpc_client import channel
+from services.common.pb import reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.common.redis_server import free_port
+from services.tasks import PromptExample, eval_prompts
+from tests.helpers import serve
+from tests.integration.fake_services import FakeReward, FakeRouter
+
+JOB = "job-eval"
+PROMPTS = 6
+
+
+class DyingEngineRouter(FakeRouter):
+    """The first ``dying`` attempts of every request fail mid-call, as when the engine serving
+    them is killed; later ones are answered (by another engine)."""
+
+    def __init__(self, tokenizer: Any, dying: int = 1) -> None:
+        super().__init__(tokenizer)
+        self.dying = dying
+        self.attempts: dict[str, int] = {}
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> rollout_pb2.GenerateResponse:
+        first = request.request_id.split(":retry")[0]
+        self.attempts[first] = self.attempts.get(first, 0) + 1
+        if self.attempts[first] <= self.dying:
+            await asyncio.sleep(0.05)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine-1: Socket closed")
+        return await super().Generate(request, context)
+
+
+def spec() -> JobSpec:
+    return JobSpec.model_validate({"eval": {"num_prompts": PROMPTS}, "rollout": {"max_new_tokens": 6}})
+
+
+def examples() -> list[PromptExample]:
+    return eval_prompts(spec().data, PROMPTS)
+
+
+def knowing(router: FakeRouter) -> FakeRouter:
+    """The router's engine serves version 3 of the job and knows every answer."""
+    router.job_id, router.version = JOB, 3
+    router.correct_at_version = lambda a, b, version: True
+    return router
+
+
+async def evaluator(router_address: str, reward_address: str, attempts: int = 3) -> Evaluator:
+    return Evaluator(
+        router_pb2_grpc.RouterStub(channel(router_address)),
+        reward_pb2_grpc.RewardStub(channel(reward_address)),
+        spec(),
+        JOB,
+        concurrency=4,
+        attempts=attempts,
+        engine_timeout_s=10.0,
+    )
+
+
+async def test_a_generate_whose_engine_died_is_made_again(
+    tokenizer: Any, reward: tuple[FakeReward, str]
+) -> None:
+    router = knowing(DyingEngineRouter(tokenizer))
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s))
+    try:
+        evaluation = await evaluator(address, reward[1])
+        result = await evaluation.evaluate(3, examples(), tokenizer)
+    finally:
+        await server.stop(None)
+    assert (result.version, result.accuracy, result.errors, result.num_prompts) == (3, 1.0, 0, PROMPTS)
+    assert evaluation.retries == PROMPTS and set(router.attempts.values()) == {2}
+    retried = sorted(r.request_id for r in router.requests)
+    assert retried == sorted(f"{JOB}:eval:v3:{i}:retry1" for i in range(PROMPTS))
+    assert all(r.session_id == r.request_id for r in router.requests), "no affinity to the dead engine"
+
+
+async def test_an_evaluation_outlives_a_router_restart_mid_call(
+    tokenizer: Any, reward: tuple[FakeReward, str]
+) -> None:
+    port = free_port()
+    router = knowing(FakeRouter(tokenizer))
+    router.delay_s = 1.0
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s), port)
+    evaluation = await evaluator(address, reward[1])
+    running = asyncio.create_task(evaluation.evaluate(3, examples(), tokenizer))
+    await asyncio.sleep(0.3)
+    await server.stop(None)  # the router dies with four calls in flight
+    await asyncio.sleep(1.0)
+    router.delay_s = 0.0
+    server, _ = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s), port)
+    try:
+        result = await asyncio.wait_for(running, 30)
+    finally:
+        await server.stop(None)
+    assert (result.accuracy, result.errors) == (1.0, 0)
+    assert evaluation.retries >= 4
+
+
+async def test_an_evaluation_is_lost_only_after_every_attempt_failed(
+    tokenizer: Any, reward: tuple[FakeReward, str]
+) -> None:
+    router = knowing(DyingEngineRouter(tokenizer, dying=10))
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s))
+    try:
+        evaluation = await evaluator(address, reward[1], attempts=2)
+        with pytest.raises(EvalError, match="UNAVAILABLE: engine-1: Socket closed"):
+            await evaluation.evaluate(3, examples(), tokenizer)
+    finally:
+        await server.stop(None)
+    assert max(router.attempts.values()) == 2, "bounded: two attempts per call"
