@@ -75,7 +75,8 @@ def run_job(task_name: str, steps: int, env: dict[str, str], work: Path) -> tupl
     spec_path = work / "job.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(hp, task, work / "checkpoints", max_staleness=1)))
     ports = ("api", "router", "engine", "reward", "trainer", "runner", "engine_metrics")
-    config = StackConfig(log_dir=work / "logs", extra_env=env, **{f"{p}_port": 0 for p in ports})
+    keep = {"VERST_API_HOUSEKEEPING_S": "0"}  # the metrics stream is read whole after the job
+    config = StackConfig(log_dir=work / "logs", extra_env=env | keep, **{f"{p}_port": 0 for p in ports})
     with Stack(config) as stack:
         job_id = submit(stack.api_url, spec_path)["job_id"]
         job: dict[str, str] = {"state": ""}

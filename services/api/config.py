@@ -51,6 +51,12 @@ class ApiSettings(RolloutClientSettings):
     repeated_failures: int = Field(16, ge=2, le=1_000_000)
     """Dead letters of a job with one reason and no new policy version between them that fail the
     job (at least one step's samples, prompts_per_step x group_size): a repeating failure ends it."""
+    housekeeping_s: float = Field(10.0, ge=0.0, le=86_400.0)
+    """How often the controller removes dead consumers from a running job's streams and trims the
+    entries every group has acked, and once more (with verst:jobs) when the job ends; 0: never."""
+    dead_consumer_s: float = Field(60.0, ge=1.0, le=30 * 86_400.0)
+    """A consumer holding no entries that has not read its stream for this long has died: it is
+    removed from its group (one that was only quiet comes back on its next read)."""
     list_limit: int = Field(1000, ge=1, le=100_000)
     """Most jobs one GET /v1/jobs returns."""
     max_body_bytes: int = Field(1_048_576, ge=1024, le=1_073_741_824)

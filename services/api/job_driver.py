@@ -47,6 +47,7 @@ from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer
+from services.common.housekeeping import tend_job, tidy_ended_job
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import (
     CANCELLED,
@@ -177,10 +178,14 @@ class JobDriver:
         outcome = self._outcome.result() if self._outcome.done() else None
         if outcome is None or not await wait_until_up(self.deps.bus.redis, self._halted):
             log.info("%s: stopped driving", self.job_id)
-            return
-        state, reason = outcome
-        applied = await self.store.set_state(self.job_id, state, reason)
-        log.info("%s: %s %s%s", self.job_id, state, reason, "" if applied else " (it had already finished)")
+        else:
+            state, reason = outcome
+            applied = await self.store.set_state(self.job_id, state, reason)
+            log.info(
+                "%s: %s %s%s", self.job_id, state, reason, "" if applied else " (it had already finished)"
+            )
+        if self.settings.housekeeping_s:
+            await tidy_ended_job(self.deps.bus, self.store, self.job_id, self.settings.dead_consumer_s)
 
     async def _advance(self) -> Phase:
         """Do the current phase's work; the next phase (DONE as soon as the job has an outcome)."""
@@ -239,6 +244,8 @@ class JobDriver:
             if self.spec.eval.at_start and self.evals.examples:
                 await self.evals.evaluate(handle.version)
         self._issuing = [self._spawn(self.evals.run(self._stopping)), self._spawn(self._issue(feed))]
+        every_s, dead_s = self.settings.housekeeping_s, self.settings.dead_consumer_s
+        self._spawn(tend_job(self.deps.bus, self.job_id, every_s, dead_s, self._stopping))
         self._last_progress = time.monotonic()
         return Phase.RUNNING
 

@@ -299,24 +299,28 @@ class Bus:
         summary = await self.redis.xpending(stream, group)
         return int(summary["pending"])
 
-    async def trim_consumed(self, stream: str) -> int:
-        """Delete entries every group has acked; returns how many were deleted.
+    async def trim_consumed(self, stream: str, *, keep: int = 0) -> int:
+        """Delete the entries every group has acked that lie before the oldest one still unacked
+        (pending, or not delivered yet) in any group, except the newest ``keep`` (a stream read
+        by ``latest``: pass LATEST_SCAN); returns how many were deleted.
 
-        Safe with MINID: nothing at or after a group's oldest pending entry (or
-        its last delivered one) is touched.
+        Safe with MINID: nothing at or after a group's oldest pending entry, or after its last
+        delivered one, is touched. A stream without groups is left alone.
         """
         groups = await self.redis.xinfo_groups(stream)
         if not groups:
             return 0
-        bounds = []
+        newest = await self.redis.xrevrange(stream, count=keep) if keep else []
+        bounds = [_id_key(newest[-1][0])] if newest else []
         for info in groups:
             if int(info["pending"]):
                 summary = await self.redis.xpending(stream, info["name"])
                 bounds.append(_id_key(summary["min"]))
             else:
-                bounds.append(_id_key(info["last-delivered-id"]))
+                ms, seq = _id_key(info["last-delivered-id"])
+                bounds.append((ms, seq + 1))
         low = min(bounds)
-        if low == (0, 0):
+        if low <= (0, 1):
             return 0
         return int(await self.redis.xtrim(stream, minid=f"{low[0]}-{low[1]}", approximate=False))
 

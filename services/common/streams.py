@@ -77,6 +77,18 @@ class JobStreams:
         """DeadLetters: entries of this job that could not be processed."""
         return self._key("dead")
 
+    def every(self) -> tuple[str, ...]:
+        """All the job's streams."""
+        return (
+            self.prompts,
+            self.trajectories,
+            self.checkpoints,
+            self.metrics,
+            self.status,
+            self.control,
+            self.dead,
+        )
+
 
 def job_of_stream(stream: str) -> str | None:
     """The job a stream belongs to (``verst:job:{id}:<kind>``); None for other streams."""

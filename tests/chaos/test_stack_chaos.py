@@ -169,9 +169,10 @@ def test_a_job_survives_twenty_sigkills_and_a_redis_restart(tmp_path: Path) -> N
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     runs = tmp_path / "runs"
+    # Housekeeping off: the test reads every published trajectory after the job.
     config = StackConfig(log_dir=tmp_path / "logs", redis_dir=tmp_path / "redis", api_port=0,
                          router_port=0, engine_port=0, reward_port=0, trainer_port=0, runner_port=0,
-                         engine_metrics_port=0)  # fmt: skip
+                         engine_metrics_port=0, extra_env={"VERST_API_HOUSEKEEPING_S": "0"})  # fmt: skip
     rng = random.Random(15)
     with Stack(config) as stack:
         reply = httpx.post(f"{stack.api_url}/v1/jobs", json=chaos_job(runs), timeout=30)
