@@ -243,6 +243,8 @@ class JobDriver:
             await self.store.update_progress(self.job_id, handle.version, handle.step)
             if self.spec.eval.at_start and self.evals.examples:
                 await self.evals.evaluate(handle.version)
+        else:  # this driver's predecessor died: an evaluation it had due (or running) is not lost
+            await self.evals.catch_up(self.store, self.latest_version)
         self._issuing = [self._spawn(self.evals.run(self._stopping)), self._spawn(self._issue(feed))]
         every_s, dead_s = self.settings.housekeeping_s, self.settings.dead_consumer_s
         self._spawn(tend_job(self.deps.bus, self.job_id, every_s, dead_s, self._stopping))

@@ -19,6 +19,7 @@ from services.api.stubs import ServiceStubs
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
 from services.common.config import JobSpec
+from services.common.jobs import JobStore
 from services.tasks import PromptExample
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,21 @@ class JobEvals:
     def due(self, version: int) -> None:
         """``version`` is due for its periodic evaluation (``run`` makes it)."""
         self._due.put_nowait(version)
+
+    async def catch_up(self, store: JobStore, latest: int) -> None:
+        """For a driver taking over a running job: mark what its predecessors evaluated done, and
+        make due again each periodic evaluation up to version ``latest`` that has no result in
+        its interval (the api died before it ran, or while it ran)."""
+        every = self.spec.eval.every_steps
+        if not every or not self.examples:
+            return
+        self.done |= {row.step for row in await store.history(self.job_id, source="eval")}
+        for version in range(every, min(latest, self.spec.trainer.steps - 1) + 1, every):
+            if not any(version <= done < version + every for done in self.done):
+                log.info(
+                    "%s: the evaluation due at version %d left no result; making it now", self.job_id, version
+                )
+                self.due(version)
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Evaluate the versions that come due, one at a time, until ``stopping``."""

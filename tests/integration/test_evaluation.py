@@ -6,19 +6,29 @@ evaluation lost, with an error. Real gRPC servers stand in for the router and th
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 from services.api.evaluation import EvalError, Evaluator
+from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.grpc_client import channel
 from services.common.pb import reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 from services.common.redis_server import free_port
 from services.tasks import PromptExample, eval_prompts
-from tests.helpers import serve
+from tests.helpers import eventually, serve
 from tests.integration.fake_services import FakeReward, FakeRouter
+from tests.integration.test_controller import (  # noqa: F401  (fixtures)
+    Controllers,
+    Services,
+    controllers,
+    eval_points,
+    services,
+    submit,
+)
 
 JOB = "job-eval"
 PROMPTS = 6
@@ -122,3 +132,31 @@ async def test_an_evaluation_is_lost_only_after_every_attempt_failed(
     finally:
         await server.stop(None)
     assert max(router.attempts.values()) == 2, "bounded: two attempts per call"
+
+
+async def test_an_evaluation_running_when_its_api_died_is_made_by_the_next_one(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,  # noqa: F811  (fixtures)
+    controllers: Controllers,  # noqa: F811
+) -> None:
+    router = services[0]
+    _, trainer = await submit(bus, tokenizer_dir, router, eval={"at_start": False, "every_steps": 2})
+    first = await controllers.start(consumer="controller-before")
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    router.delay_s, router.version = 30.0, 2  # the evaluation of version 2 hangs in its engine
+    for version in (1, 2):
+        await trainer.publish_version(version)
+    await eventually(lambda: _greedy_calls(router), "the evaluation of version 2 running")
+    await controllers.stop(first)  # the api process goes away with it
+    assert await eval_points(trainer.store, trainer.job_id) == {}
+
+    router.delay_s = 0.0
+    await controllers.start(consumer="controller-after")
+    await eventually(lambda: eval_points(trainer.store, trainer.job_id), "the evaluation made again")
+    assert (await eval_points(trainer.store, trainer.job_id)).keys() == {2}
+
+
+async def _greedy_calls(router: FakeRouter) -> bool:
+    return any(r.sampling.temperature == 0 for r in router.requests)
