@@ -412,7 +412,8 @@ class JobDriver:
     async def _follow_metrics(self) -> None:
         """Merge every Metric into the job record; once draining, until none is left."""
         consumer = self._consumer(self.streams.metrics, common_pb2.Metric, 200)
-        while True:
+        drain_until = float("inf")
+        while time.monotonic() < drain_until:
             deliveries = await consumer.poll()
             for delivery in deliveries:
                 metric = delivery.message
@@ -424,8 +425,10 @@ class JobDriver:
                     policy_version=metric.policy_version,
                 )
             await consumer.ack(deliveries)
-            if self._draining and not deliveries:
-                return
+            if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
+                drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
+                if not deliveries:
+                    return
 
     # -- rollouts --------------------------------------------------------------------------------
 

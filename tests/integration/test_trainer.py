@@ -434,6 +434,7 @@ async def test_a_killed_trainers_job_is_resumed_by_another(
             return handle if handle is not None and (handle.epoch, handle.version) == (2, 1) else None
 
         handle = await eventually(epoch_2_v1, "epoch 2's v1", timeout_s=DEADLINE_S)
+        await eventually(lambda: trainer_signals(bus, job_id), "g2 dropped", timeout_s=DEADLINE_S)
         v1 = Path(handle.uri.removeprefix("file://"))
         fresh = make_group(job_id, "g3", (0.0, 1.0), 1, v1) + make_group(job_id, "g4", (1.0, 0.0), 1, v1)
         await bus.publish_many(streams.trajectories, fresh)
