@@ -74,7 +74,9 @@ class JobSummary(View):
 
     @classmethod
     def of(cls, record: JobBrief) -> JobSummary:
-        return cls(**cls.fields_of(record))
+        # The store's values are typed already; validating each of a list's rows again costs
+        # a list request a fifth of its time.
+        return cls.model_construct(**cls.fields_of(record))
 
 
 class JobView(JobSummary):
@@ -217,7 +219,8 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
     @app.get("/v1/jobs", tags=["jobs"], responses=error_responses(401, 503))
     async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=settings.list_limit)) -> JobList:
         """The newest jobs, newest first, as summaries (no spec)."""
-        return JobList(jobs=[JobSummary.of(brief) for brief in await _store(request).list_briefs(limit)])
+        briefs = await _store(request).list_briefs(limit)
+        return JobList.model_construct(jobs=[JobSummary.of(brief) for brief in briefs])
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], responses=error_responses(401, 404, 503))
     async def get_job(job_id: JobId, request: Request) -> JobView:
