@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -59,3 +61,15 @@ class ApiProcess:
             output, _ = self.proc.communicate()
             raise AssertionError(f"the api did not stop within 30s of SIGTERM:\n{output}") from None
         return self.proc.returncode, output
+
+
+@contextlib.contextmanager
+def serving(python: str, env: dict[str, str], redis_url: str, **settings: str) -> Iterator[ApiProcess]:
+    """An ApiProcess once /healthz answers; on exit it is stopped and must exit with status 0."""
+    process = ApiProcess(python, env, redis_url, **settings)
+    try:
+        process.wait_until_serving()
+        yield process
+    finally:
+        code, output = process.stop()
+        assert code == 0, output

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 
-from tests.integration.api_process import ApiProcess
+from tests.integration.api_process import ApiProcess, serving
 from tests.integration.http_load import LoadResult, paced_gets
 
 JOBS = 200
@@ -38,21 +38,17 @@ SPEC = {"name": "crowd", "trainer": {"steps": 3}}
 
 @pytest.fixture
 def api(python: str, python_env: dict[str, str], redis_url: str) -> Iterator[ApiProcess]:
-    process = ApiProcess(
+    env = {**python_env, "VERST_LOG_LEVEL": "WARNING"}  # a log line per request would be the load
+    with serving(
         python,
-        {**python_env, "VERST_LOG_LEVEL": "WARNING"},  # a log line per request would be the load
+        env,
         redis_url,
         TOKEN=TOKEN,
         CHECK_SPECS="false",
         QUEUE_TIMEOUT_S="86400",
         REQUEST_CONNECTIONS=str(REQUEST_CONNECTIONS),
-    )
-    try:
-        process.wait_until_serving()
+    ) as process:
         yield process
-    finally:
-        code, output = process.stop()
-        assert code == 0, output
 
 
 def redis_clients(redis_url: str) -> int:

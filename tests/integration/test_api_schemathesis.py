@@ -18,7 +18,7 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from tests.conftest import ROOT
-from tests.integration.api_process import ApiProcess
+from tests.integration.api_process import ApiProcess, serving
 
 TOKEN = "schemathesis-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -28,13 +28,8 @@ EXAMPLES_PER_OPERATION = 50
 @pytest.fixture
 def api(redis_url: str) -> Iterator[ApiProcess]:
     env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VERST_LOG_LEVEL": "WARNING"}
-    process = ApiProcess(sys.executable, env, redis_url, TOKEN=TOKEN, CHECK_SPECS="false")
-    try:
-        process.wait_until_serving()
+    with serving(sys.executable, env, redis_url, TOKEN=TOKEN, CHECK_SPECS="false") as process:
         yield process
-    finally:
-        code, output = process.stop()
-        assert code == 0, output
 
 
 def check_operation(operation: Any, mode: Any, seen: Counter[int]) -> None:

@@ -21,10 +21,10 @@ from services.common.redis_server import EmbeddedRedis
 from services.common.streams import JOBS, JobStreams
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from tests.helpers import lineage_trained_ids
-from tests.integration.rollout_helpers import tiny_llama
-from tests.integration.test_trainer_resume import (
+from tests.integration.test_trainer_resume import (  # noqa: F401  (model_dir: a fixture)
     TOKENIZER,
     group,
+    model_dir,
     start_trainer,
     submit,
     trainer_env,
@@ -36,14 +36,6 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 PROMPTS_PER_STEP = 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(0, heads=2, max_positions=64, vocab=len(TOKENIZER)).save_pretrained(directory)
-    TOKENIZER.save_pretrained(directory)
-    return directory
 
 
 @dataclass
@@ -85,7 +77,10 @@ class Harness:
 
 @pytest.fixture
 async def harness(
-    tmp_path: Path, model_dir: Path, python: str, python_env: dict[str, str]
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811  (the imported fixture)
+    python: str,
+    python_env: dict[str, str],
 ) -> AsyncIterator[Harness]:
     with EmbeddedRedis(tmp_path / "redis") as server:
         bus = Bus(connect(server.url, outage_s=120.0))  # the test's own calls ride through too
