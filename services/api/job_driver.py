@@ -245,7 +245,7 @@ class JobDriver:
                 await self.evals.evaluate(handle.version)
         else:  # this driver's predecessor died: an evaluation it had due (or running) is not lost
             await self.evals.catch_up(self.store, self.latest_version)
-        self._issuing = [self._spawn(self.evals.run(self._stopping)), self._spawn(self._issue(feed))]
+        self._issuing = [self._spawn(self._issue(feed)), self._spawn(self.evals.run(self._stopping))]
         every_s, dead_s = self.settings.housekeeping_s, self.settings.dead_consumer_s
         self._spawn(tend_job(self.deps.bus, self.job_id, every_s, dead_s, self._stopping))
         self._last_progress = time.monotonic()
@@ -256,7 +256,11 @@ class JobDriver:
         return Phase.FINISHING
 
     async def _finish(self) -> Phase:
-        """Stop issuing and periodic evals; evaluate the final version once the engines serve it."""
+        """Stop issuing; let a periodic evaluation in flight finish; evaluate the final version
+        once the engines serve it."""
+        for task in self._issuing[:1]:
+            task.cancel()
+        await self.evals.close()
         for task in self._issuing:
             task.cancel()
         status = self._trainer_done.result()

@@ -46,6 +46,9 @@ class JobEvals:
         self.done: set[int] = set()
         """Versions evaluated (labelled by the oldest version among the answers' tokens)."""
         self._due: asyncio.Queue[int] = asyncio.Queue()
+        self._running: asyncio.Future[str] | None = None
+        """The periodic evaluation in flight, if any."""
+        self._closing = False
 
     def due(self, version: int) -> None:
         """``version`` is due for its periodic evaluation (``run`` makes it)."""
@@ -67,11 +70,31 @@ class JobEvals:
                 self.due(version)
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Evaluate the versions that come due, one at a time, until ``stopping``."""
-        while not stopping.is_set():
+        """Evaluate the versions that come due, one at a time, until ``stopping`` or ``close``."""
+        while not (stopping.is_set() or self._closing):
             version = await self._due.get()
-            if version not in self.done:
-                await self.evaluate(version)
+            if version not in self.done and not self._closing:
+                self._running = asyncio.ensure_future(self.evaluate(version))
+                try:
+                    await self._running
+                finally:
+                    self._running = None
+
+    async def close(self) -> None:
+        """Training ended: let the periodic evaluation in flight finish (its calls have deadlines),
+        start none; a version still due cannot be evaluated any more (the engines serve the final
+        one), which is said, not dropped silently."""
+        self._closing = True
+        if self._running is not None:
+            await asyncio.wait([self._running])
+        while not self._due.empty():
+            version = self._due.get_nowait()
+            if not any(version <= done for done in self.done):
+                self.metrics.evaluations.labels(outcome="missed").inc()
+                log.warning(
+                    "%s: the evaluation due at version %d did not run before training ended",
+                    self.job_id, version,
+                )  # fmt: skip
 
     async def evaluate(self, version: int) -> str:
         """Evaluate the policy once an engine serves ``version``; returns an error text or ""."""

@@ -59,7 +59,7 @@ class ApiMetrics:
         )
         self.evaluations = Counter(
             "verst_controller_evaluations",
-            "Evaluations run by this controller, by outcome (ok, failed: lost after every attempt).",
+            "Evaluations by outcome (ok; failed: lost after every attempt; missed: due when training ended).",
             ["outcome"],
             registry=self.registry,
         )

@@ -35,7 +35,8 @@ REDIS_RESTART_AT = 10
 """The Redis restart comes after this many kills."""
 REDIS_DOWN_S = 60.0
 """A whole minute without Redis: every service rides it out (VERST_REDIS_OUTAGE_S is 120 s)."""
-STEPS = 100
+STEPS = 160
+"""Enough steps that the job outlasts the kills on a fast machine (100 did not, once)."""
 EVAL_EVERY = 20
 BATCH = 8 * 8  # prompts_per_step x group_size
 JOB_DEADLINE_S = 1200.0

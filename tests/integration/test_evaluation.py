@@ -12,11 +12,13 @@ from typing import Any
 import grpc
 import pytest
 
+from services.api.controller import Controller
 from services.api.evaluation import EvalError, Evaluator
 from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.grpc_client import channel
-from services.common.pb import reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.common.jobs import SUCCEEDED
+from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 from services.common.redis_server import free_port
 from services.tasks import PromptExample, eval_prompts
 from tests.helpers import eventually, serve
@@ -24,6 +26,7 @@ from tests.integration.fake_services import FakeReward, FakeRouter
 from tests.integration.test_controller import (  # noqa: F401  (fixtures)
     Controllers,
     Services,
+    Trainer,
     controllers,
     eval_points,
     services,
@@ -141,14 +144,9 @@ async def test_an_evaluation_running_when_its_api_died_is_made_by_the_next_one(
     controllers: Controllers,  # noqa: F811
 ) -> None:
     router = services[0]
-    _, trainer = await submit(bus, tokenizer_dir, router, eval={"at_start": False, "every_steps": 2})
-    first = await controllers.start(consumer="controller-before")
-    await trainer.publish_version(0)
-    await trainer.wait_for_prompts(4)
-    router.delay_s, router.version = 30.0, 2  # the evaluation of version 2 hangs in its engine
-    for version in (1, 2):
-        await trainer.publish_version(version)
-    await eventually(lambda: _greedy_calls(router), "the evaluation of version 2 running")
+    trainer, first = await _evaluating_version_2(
+        bus, tokenizer_dir, router, controllers, delay_s=30.0, consumer="controller-before"
+    )  # the evaluation of version 2 hangs in its engine
     await controllers.stop(first)  # the api process goes away with it
     assert await eval_points(trainer.store, trainer.job_id) == {}
 
@@ -156,6 +154,47 @@ async def test_an_evaluation_running_when_its_api_died_is_made_by_the_next_one(
     await controllers.start(consumer="controller-after")
     await eventually(lambda: eval_points(trainer.store, trainer.job_id), "the evaluation made again")
     assert (await eval_points(trainer.store, trainer.job_id)).keys() == {2}
+
+
+async def test_an_evaluation_running_when_training_ends_finishes_before_the_final_one(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,  # noqa: F811  (fixtures)
+    controllers: Controllers,  # noqa: F811
+) -> None:
+    router = services[0]
+    trainer, _ = await _evaluating_version_2(bus, tokenizer_dir, router, controllers, delay_s=2.0)
+    for version in (3, 4):
+        await trainer.publish_version(version)
+    await trainer.report(common_pb2.JOB_STATE_SUCCEEDED, 4)  # while it runs
+
+    await eventually(lambda: eval_points(trainer.store, trainer.job_id), "the evaluation of version 2")
+    assert (await eval_points(trainer.store, trainer.job_id)).keys() == {2}
+    router.delay_s, router.version = 0.0, 4
+    await trainer.wait_for_state(SUCCEEDED)
+    assert (await eval_points(trainer.store, trainer.job_id)).keys() == {2, 4}
+
+
+async def _evaluating_version_2(
+    bus: Bus,
+    tokenizer_dir: Path,
+    router: FakeRouter,
+    controllers: Controllers,  # noqa: F811
+    delay_s: float,
+    consumer: str = "",
+) -> tuple[Trainer, Controller]:
+    """A job evaluated every 2 versions whose trainer reached version 2, and a controller whose
+    evaluation of it is running (each Generate taking ``delay_s``)."""
+    spec_eval = {"at_start": False, "every_steps": 2, "num_prompts": 12}
+    _, trainer = await submit(bus, tokenizer_dir, router, eval=spec_eval)
+    controller = await controllers.start(consumer=consumer)
+    await trainer.publish_version(0)
+    await trainer.wait_for_prompts(4)
+    router.delay_s, router.version = delay_s, 2
+    for version in (1, 2):
+        await trainer.publish_version(version)
+    await eventually(lambda: _greedy_calls(router), "the evaluation of version 2 running")
+    return trainer, controller
 
 
 async def _greedy_calls(router: FakeRouter) -> bool:
