@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -92,6 +93,37 @@ class JobView(JobSummary):
 class JobList(View):
     jobs: list[JobSummary]
     """Newest first, without their specs (GET /v1/jobs/{job_id} has the spec)."""
+
+
+class RenderedLists:
+    """Job lists as sent, by limit, each with the digest of the jobs it shows
+    (``JobStore.list_digest``): while they are unchanged, a list is sent again without reading or
+    rendering its jobs, and the digest is its ETag. The least recently used beyond MAX_ENTRIES
+    limits are dropped."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self) -> None:
+        self._bodies: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
+
+    async def body(self, store: JobStore, limit: int) -> tuple[str, bytes]:
+        """(digest, JSON body) of the newest ``limit`` jobs now."""
+        digest = await store.list_digest(limit)
+        cached = self._bodies.get(limit)
+        if cached is None or cached[0] != digest:
+            briefs = await store.list_briefs(limit)  # read after the digest: never older than it
+            rendered = JobList.model_construct(jobs=[JobSummary.of(brief) for brief in briefs])
+            cached = self._bodies[limit] = (digest, rendered.model_dump_json().encode())
+        self._bodies.move_to_end(limit)
+        while len(self._bodies) > self.MAX_ENTRIES:
+            self._bodies.popitem(last=False)
+        return cached
+
+
+def etag_matches(request: Request, etag: str) -> bool:
+    """Whether the request's If-None-Match names ``etag`` (or is ``*``)."""
+    tags = {tag.strip().removeprefix("W/") for tag in request.headers.get("if-none-match", "").split(",")}
+    return etag in tags or "*" in tags
 
 
 class MetricPoint(View):
@@ -216,11 +248,21 @@ def _add_job_routes(app: FastAPI, settings: ApiSettings) -> None:
         await _check(checker, spec)
         return JobView.of(await _store(request).create(spec))
 
-    @app.get("/v1/jobs", tags=["jobs"], responses=error_responses(401, 503))
-    async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=settings.list_limit)) -> JobList:
-        """The newest jobs, newest first, as summaries (no spec)."""
-        briefs = await _store(request).list_briefs(limit)
-        return JobList.model_construct(jobs=[JobSummary.of(brief) for brief in briefs])
+    lists = RenderedLists()
+    list_responses = {
+        **error_responses(401, 503),
+        304: {"description": "The list is unchanged since the ETag in If-None-Match."},
+    }
+
+    @app.get("/v1/jobs", tags=["jobs"], response_model=JobList, responses=list_responses)
+    async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=settings.list_limit)) -> Response:
+        """The newest jobs, newest first, as summaries (no spec). The ETag changes whenever a job
+        of the list does; send it back as If-None-Match to get a 304 while nothing changed."""
+        digest, body = await lists.body(_store(request), limit)
+        etag = f'"{digest}"'
+        if etag_matches(request, etag):
+            return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        return Response(body, media_type="application/json", headers={"ETag": etag})
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], responses=error_responses(401, 404, 503))
     async def get_job(job_id: JobId, request: Request) -> JobView:

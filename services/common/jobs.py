@@ -34,6 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.common import job_scripts
 from services.common.bus import DEFAULT_MAXLEN, encode
 from services.common.config import JobSpec, JobSpecError, parse_job_spec
 from services.common.pb import common_pb2
@@ -86,68 +87,6 @@ def decode_submission(message: common_pb2.JobSubmission) -> tuple[str, JobSpec]:
     if not message.job_id:
         raise JobSpecError([("job_id", "JobSubmission has no job_id")], "job submission")
     return message.job_id, decode_spec(message.spec_json, f"spec of job {message.job_id}")
-
-
-# Applies a state change unless the job is missing (-1), finished (0), or the change would
-# send it back to QUEUED (0). Atomic, so a cancel and a success cannot both win.
-_SET_STATE = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return -1 end
-if state == 'JOB_STATE_SUCCEEDED' or state == 'JOB_STATE_FAILED' or state == 'JOB_STATE_CANCELLED' then
-  return 0
-end
-if ARGV[1] == 'JOB_STATE_QUEUED' and state ~= 'JOB_STATE_QUEUED' then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
-if ARGV[4] == '1' then redis.call('SREM', KEYS[2], ARGV[5]) end
-return 1
-"""
-
-# Raises policy_version and step (never lowers them: handles may be re-delivered).
-_PROGRESS = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local version = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
-if tonumber(ARGV[1]) < version then return 0 end
-redis.call('HSET', KEYS[1], 'policy_version', ARGV[1], 'step', ARGV[2], 'updated_at', ARGV[3])
-return 1
-"""
-
-# Acks a control-stream (or dead-letter) entry and adds its dropped groups to the job's count,
-# in one step:
-# only the call that acks the entry counts it, so a redelivered entry is never counted twice
-# and an entry is never acked uncounted. Returns {counted (0/1), total}; -1 for a missing job.
-_COUNT_DROPPED = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
-  return {0, tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')}
-end
-local total = redis.call('HINCRBY', KEYS[1], 'dropped_groups', ARGV[3])
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[4])
-return {1, total}
-"""
-
-
-# The fields ARGV of every hash in KEYS, as one flat list (nil for a missing field or hash).
-_HMGET_MANY = """
-local out = {}
-for _, key in ipairs(KEYS) do
-  local values = redis.call('HMGET', key, unpack(ARGV))
-  for j = 1, #ARGV do out[#out + 1] = values[j] end
-end
-return out
-"""
-
-# KEYS in threes, one per job: its hash, checkpoints stream and status stream. Returns, per job,
-# its state, submitted_at, and the two streams' total length (how often its trainer has spoken).
-_OVERVIEW = """
-local out = {}
-for i = 1, #KEYS, 3 do
-  local fields = redis.call('HMGET', KEYS[i], 'state', 'submitted_at')
-  out[#out + 1] = fields[1]
-  out[#out + 1] = fields[2]
-  out[#out + 1] = redis.call('XLEN', KEYS[i + 1]) + redis.call('XLEN', KEYS[i + 2])
-end
-return out
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,11 +206,12 @@ class JobStore:
     def __init__(self, redis: aioredis.Redis, *, history_limit: int = HISTORY_LIMIT) -> None:
         self.redis = redis
         self.history_limit = history_limit
-        self._set_state = redis.register_script(_SET_STATE)
-        self._progress = redis.register_script(_PROGRESS)
-        self._count_dropped = redis.register_script(_COUNT_DROPPED)
-        self._hmget_many = redis.register_script(_HMGET_MANY)
-        self._overview = redis.register_script(_OVERVIEW)
+        self._set_state = redis.register_script(job_scripts.SET_STATE)
+        self._progress = redis.register_script(job_scripts.PROGRESS)
+        self._count_dropped = redis.register_script(job_scripts.COUNT_DROPPED)
+        self._hmget_many = redis.register_script(job_scripts.HMGET_MANY)
+        self._overview = redis.register_script(job_scripts.OVERVIEW)
+        self._list_digest = redis.register_script(job_scripts.LIST_DIGEST)
 
     async def create(self, spec: JobSpec) -> JobRecord:
         """Store a QUEUED job and publish its JobSubmission on ``verst:jobs``, atomically."""
@@ -334,6 +274,12 @@ class JobStore:
         trips whatever ``limit``)."""
         ids = [raw.decode() for raw in await self.redis.zrevrange(JOB_INDEX, 0, max(limit, 1) - 1)]
         return await self.briefs(ids)
+
+    async def list_digest(self, limit: int = 100) -> str:
+        """A digest of what ``list_briefs(limit)`` would return now (one round trip, no record
+        sent): unchanged while no job is added to those and none of them is written."""
+        digest = await self._list_digest(keys=[JOB_INDEX], args=[max(limit, 1), job_key("")])
+        return digest.decode()
 
     async def briefs(self, ids: Sequence[str]) -> list[JobBrief]:
         """The briefs of the jobs ``ids`` that exist, in that order, in one command."""

@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 
 from services.api.config import ApiSettings
-from services.api.server import create_app
+from services.api.server import JobList, create_app
 from services.common.bus import Bus
 from services.common.jobs import RUNNING, SUCCEEDED, JobStore
 from services.common.pb import common_pb2
@@ -76,6 +76,30 @@ async def test_get_list_and_404(client: httpx.AsyncClient) -> None:
     assert missing.status_code == 404 and "nope-00000000" in missing.json()["detail"]
     assert (await client.get("/v1/jobs/nope-00000000/metrics")).status_code == 404
     assert (await client.post("/v1/jobs/nope-00000000/cancel")).status_code == 404
+
+
+async def test_a_list_is_sent_again_only_while_unchanged(client: httpx.AsyncClient, app: FastAPI) -> None:
+    """Lists are rendered once per change of their jobs (RenderedLists): every change shows at
+    once, and a client holding the ETag gets a 304 while nothing changed."""
+    ids = [(await client.post("/v1/jobs", json={"name": f"j{i}"})).json()["job_id"] for i in range(2)]
+    first = await client.get("/v1/jobs")
+    etag = first.headers["etag"]
+    again = await client.get("/v1/jobs")
+    assert (again.json(), again.headers["etag"]) == (first.json(), etag)
+    unchanged = await client.get("/v1/jobs", headers={"If-None-Match": f'"other", {etag}'})
+    assert (unchanged.status_code, unchanged.content, unchanged.headers["etag"]) == (304, b"", etag)
+
+    await app.state.store.update_progress(ids[0], 7, 7)
+    changed = await client.get("/v1/jobs", headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["etag"] != etag
+    assert [job["policy_version"] for job in changed.json()["jobs"]] == [0, 7]
+    await client.post(f"/v1/jobs/{ids[1]}/cancel")
+    assert (await client.get("/v1/jobs")).json()["jobs"][0]["state"] == "JOB_STATE_CANCELLED"
+    newest = (await client.post("/v1/jobs", json={"name": "j2"})).json()["job_id"]
+    assert [job["job_id"] for job in (await client.get("/v1/jobs")).json()["jobs"]] == [newest, *ids[::-1]]
+    one = await client.get("/v1/jobs", params={"limit": 1})
+    assert [job["job_id"] for job in one.json()["jobs"]] == [newest] and one.headers["etag"] != etag
+    assert JobList.model_validate(changed.json()).jobs[1].policy_version == 7, "the schema's shape"
 
 
 async def test_metrics_history_and_latest_metrics(client: httpx.AsyncClient, app: FastAPI) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -155,6 +157,35 @@ async def test_briefs_list_newest_first_without_their_specs(store: JobStore) -> 
     assert await store.briefs([]) == []
     await store.redis.hdel(job_key(ids[0]), "name")  # a job stored before names were
     assert [brief.name for brief in await store.briefs([ids[0]])] == ["job0"]
+
+
+async def test_the_list_digest_changes_with_every_write_of_a_listed_job(store: JobStore, bus: Bus) -> None:
+    ids = [(await store.create(JobSpec(name=f"job{i}"))).job_id for i in range(3)]
+    control = JobStreams(ids[2]).control
+    await bus.ensure_group(control, CONTROLLER_GROUP)
+    signal = common_pb2.TrainerSignal(job_id=ids[2])
+    signal.groups_dropped.stale = 1
+    entry = await bus.publish(control, signal)
+    await bus.read(control, CONTROLLER_GROUP, "c", common_pb2.TrainerSignal, block_ms=100)
+    task = common_pb2.PromptTask(prompt_id=f"{ids[1]}:0:0", job_id=ids[1])
+    writes: dict[str, Callable[[], Awaitable[Any]]] = {
+        "state": lambda: store.set_state(ids[1], RUNNING),
+        "progress": lambda: store.update_progress(ids[2], 3, 3),
+        "metrics": lambda: store.merge_metrics(ids[2], {"loss": 0.5}, step=3, source="trainer"),
+        "prompts": lambda: store.publish_prompts(ids[1], [task], batches=1, extra=0),
+        "dropped": lambda: store.count_dropped(ids[2], entry, 1),
+        "a new job": lambda: store.create(JobSpec(name="job3")),
+    }
+    digest = await store.list_digest(limit=2)
+    await store.list_briefs(limit=2)
+    await store.set_state(ids[0], FAILED)  # not among the newest two
+    assert await store.list_digest(limit=2) == digest, "reads and jobs beyond the limit change nothing"
+    for what, write in writes.items():
+        await write()
+        assert await store.list_digest(limit=2) != digest, what
+        digest = await store.list_digest(limit=2)
+    assert await store.update_progress(ids[2], 2, 2) is False
+    assert await store.list_digest(limit=2) == digest, "a write that changes nothing"
 
 
 async def test_the_overview_of_active_jobs_says_whose_trainer_has_spoken(store: JobStore, bus: Bus) -> None:
