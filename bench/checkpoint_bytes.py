@@ -1,9 +1,10 @@
 """What publishing weights and checkpointing cost a job: share of the trainer's step time, bytes per step.
 
 Runs one job (default examples/grpo.yaml) on a local stack, like `verst demo`, and sums the
-trainer's per-step metrics: ``publish_seconds`` (the weights-only version every step),
-``checkpoint_seconds`` (durable checkpoints), ``step_seconds`` and ``bytes_written``; the weights'
-size is the published handles' ``size_bytes``.
+trainer's per-step metrics: ``publish_seconds`` (what each step waits for its weights-only
+version: the snapshot), ``publish_write_seconds`` (writing and announcing it, beside the next
+step), ``checkpoint_seconds`` (durable checkpoints), ``step_seconds`` and ``bytes_written``; the
+weights' size is the published handles' ``size_bytes``.
 
     .venv/bin/python bench/checkpoint_bytes.py [spec.yaml]
 """
@@ -43,7 +44,9 @@ def main(spec_path: Path) -> int:
     saving = total["publish_seconds"] + total["checkpoint_seconds"]
     weights = weights_size(spec)
     print(f"steps {len(steps)}: step_seconds {total['step_seconds']:.3f}, "
-          f"publish {total['publish_seconds']:.3f}, durable {total['checkpoint_seconds']:.3f}")  # fmt: skip
+          f"publish {total['publish_seconds']:.3f} (written beside the next step: "
+          f"{total.get('publish_write_seconds', 0.0):.3f}), "
+          f"durable {total['checkpoint_seconds']:.3f}")  # fmt: skip
     print(f"saving share of the trainer's step time: {saving / total['step_seconds']:.4f} over the job, "
           f"per-step mean {statistics.fmean(s['saving_share'] for s in steps):.4f}, "
           f"max {max(s['saving_share'] for s in steps):.4f}")  # fmt: skip

@@ -10,7 +10,8 @@ and the median over its steps (the first ``--skip`` left out: warm-up) of every 
 - ``stage_score_s``: the reward service; ``stage_publish_s``: building and publishing trajectories;
 - ``stage_deliver_s``: published -> the trainer starts the step (waiting for the step's other groups);
 - trainer ``wait_seconds`` (collecting the step's groups), ``optimise_seconds``,
-  ``publish_seconds`` (the weights-only handle), ``checkpoint_seconds`` (durable saves);
+  ``publish_seconds`` (the step's wait for the weights-only handle), ``publish_write_seconds``
+  (writing it, beside the next step), ``checkpoint_seconds`` (durable saves);
 - rollout ``weight_sync_latency_s``: a handle published -> an engine serves it;
 - the wall seconds between consecutive versions.
 
@@ -49,7 +50,8 @@ ROWS = (
     ("trainer", "stage_deliver_s", "published -> trainer starts the step"),
     ("trainer", "wait_seconds", "trainer waits for the step's groups"),
     ("trainer", "optimise_seconds", "trainer optimises (prepare, forward, backward, step)"),
-    ("trainer", "publish_seconds", "trainer publishes the weights-only handle"),
+    ("trainer", "publish_seconds", "trainer publishes the weights-only handle (the step's wait)"),
+    ("trainer", "publish_write_seconds", "its file and handle, written beside the next step"),
     ("trainer", "checkpoint_seconds", "trainer's durable checkpoints"),
     ("rollout", "weight_sync_latency_s", "handle published -> engine serves it"),
 )

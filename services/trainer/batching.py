@@ -7,8 +7,16 @@ each with its own position ids from 0; transformers reads the restarts of the
 position ids as sequence boundaries and masks attention across them
 (``masking_utils.find_packed_sequence_indices``), so a sample sees only itself
 and the rows need almost no padding. Without it a row is one sample, masked by
-``attention_mask``. ``packs_exactly`` checks at load that a model honours packed
-position ids; one that does not is trained a sample per row.
+``attention_mask``. ``layout_checks.packs_exactly`` checks at load that a model honours
+packed position ids; one that does not is trained a sample per row.
+
+With ``trainer.share_prompts`` the samples of one prompt (a GRPO group) share its tokens:
+a unit of a row is the prompt but its last token once, then for each sample its own span,
+the prompt's last token again followed by the response. A 4D attention mask lets a span see
+the shared prefix and itself only, and position ids continue from the prompt in each span,
+so every sample's logits are those it gets alone while the prompt is computed once
+(``plan_samples`` keeps a unit's samples together; ``layout_checks.shares_exactly`` checks
+the model at load).
 
 Per-token tensors are aligned with the *targets* (``input_ids[:, 1:]``): the
 logits at column t score token t + 1, so response token j of a sample that
@@ -22,7 +30,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy
 import torch
@@ -88,7 +95,8 @@ class MicroBatch:
     position_ids: torch.Tensor
     """Each sample's positions from 0 (the padding after a row's samples counts from 0 too)."""
     attention_mask: torch.Tensor | None
-    """1 on real tokens for rows of one sample; None for packed rows (the position ids mask them)."""
+    """1 on real tokens for rows of one sample; None for packed rows (the position ids mask them);
+    ``[rows, 1, width, width]`` booleans for shared prompts (True: may attend)."""
     placements: tuple[tuple[int, int], ...]
     """(row, column of its first token) of each sample, in the order they were given."""
     behaviour_logprobs: torch.Tensor
@@ -209,57 +217,39 @@ def padding_waste(lengths: Sequence[int], packs: Sequence[Pack]) -> float:
     return 1.0 - real / computed if computed else 0.0
 
 
-@torch.no_grad()
-def packs_exactly(model: torch.nn.Module, vocab_size: int, tolerance: float = 1e-3) -> bool:
-    """Whether ``model`` keeps two samples laid end to end in one row apart, given restarting
-    position ids and no attention mask: its outputs for them, packed, equal those of each alone
-    (to ``tolerance`` of their scale). Models that ignore packed position ids fail."""
-    generator = torch.Generator().manual_seed(0)
-    parts = [torch.randint(0, vocab_size, (n,), generator=generator) for n in (6, 5)]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        alone = [model(input_ids=p[None].to(device), use_cache=False)[0][0].float() for p in parts]
-        packed = model(
-            input_ids=torch.cat(parts)[None].to(device),
-            position_ids=torch.cat([torch.arange(len(p)) for p in parts])[None].to(device),
-            use_cache=False,
-        )[0][0].float()
-    finally:
-        model.train(was_training)
-    expected = torch.cat(alone)
-    scale = float(expected.abs().max()) + 1.0
-    return float((packed - expected).abs().max()) <= tolerance * scale
-
-
 def collate(
     samples: Sequence[TrainSample],
     token_weights: Sequence[float],
     device: torch.device | str,
     rows: Sequence[Sequence[int]] | None = None,
     pad_token_id: int = 0,
+    shared: bool = False,
 ) -> MicroBatch:
     """Right-padded tensors of ``samples`` on ``device``; ``token_weights`` holds each
     sample's aggregation weight per loss token (see losses.sample_token_weights).
 
     ``rows`` lays the samples out (indices into ``samples``, each exactly once); None: one
-    sample per row. A row of several samples is packed (see the module's docstring).
+    sample per row. A row of several samples is packed (see the module's docstring); with
+    ``shared``, consecutive samples of a row with the same prompt share it.
     """
     if not samples or len(samples) != len(token_weights):
         raise ValueError("collate needs one token weight per sample, and at least one sample")
     layout = [list(row) for row in rows] if rows is not None else [[i] for i in range(len(samples))]
     if sorted(i for row in layout for i in row) != list(range(len(samples))):
         raise ValueError("rows must hold every sample exactly once")
-    fills = [sum(samples[i].length for i in row) for row in layout]
+    units = [row_units(samples, row) if shared else [[i] for i in row] for row in layout]
+    fills = [sum(unit_length(samples, unit) for unit in row) for row in units]
     packed = any(len(row) > 1 for row in layout)
     width = max(fills)
     shape = (len(layout), width)
     # numpy buffers filled from the samples' lists, one tensor each at the end: far cheaper
     # than a small tensor per sample and field for the many short samples of RL
-    input_ids = numpy.full(shape, pad_token_id, dtype=numpy.int64)
-    position_ids = numpy.zeros(shape, dtype=numpy.int64)
-    attention_mask = numpy.zeros(shape, dtype=numpy.int64)
+    buffers = RowBuffers(
+        numpy.full(shape, pad_token_id, dtype=numpy.int64),
+        numpy.zeros(shape, dtype=numpy.int64),
+        numpy.full(shape, -1, dtype=numpy.int64),
+        numpy.full(shape, -1, dtype=numpy.int64),
+    )
     targets = (len(layout), max(width - 1, 0))
     per_token = {
         name: numpy.full(targets, 1.0 if name == "is_weights" else 0.0, dtype=numpy.float32)
@@ -267,22 +257,22 @@ def collate(
     }
     mask = numpy.zeros(targets, dtype=numpy.bool_)
     placements: dict[int, tuple[int, int]] = {}
-    for row, members in enumerate(layout):
+    for row, row_of_units in enumerate(units):
         column = 0
-        for index in members:
-            sample, end = samples[index], column + samples[index].length
-            placements[index] = (row, column)
-            input_ids[row, column:end] = [*sample.prompt_token_ids, *sample.response_token_ids]
-            position_ids[row, column:end] = numpy.arange(sample.length)
-            attention_mask[row, column:end] = 1
-            _place_targets(sample, token_weights[index] * sample.weight, (row, column), per_token, mask)
-            column = end
-        position_ids[row, column:] = numpy.arange(width - column)
+        for number, unit in enumerate(row_of_units):
+            for index, at in buffers.place_unit(samples, unit, row, column, number):
+                placements[index] = at
+                _place_targets(
+                    samples[index], token_weights[index] * samples[index].weight, at, per_token, mask
+                )
+            column += unit_length(samples, unit)
+        buffers.positions[row, column:] = numpy.arange(width - column)
     on = {name: torch.from_numpy(array).to(device) for name, array in per_token.items()}
+    attention = buffers.attention(shared, packed)
     return MicroBatch(
-        input_ids=torch.from_numpy(input_ids).to(device),
-        position_ids=torch.from_numpy(position_ids).to(device),
-        attention_mask=None if packed else torch.from_numpy(attention_mask).to(device),
+        input_ids=torch.from_numpy(buffers.input_ids).to(device),
+        position_ids=torch.from_numpy(buffers.positions).to(device),
+        attention_mask=None if attention is None else torch.from_numpy(attention).to(device),
         placements=tuple(placements[i] for i in range(len(samples))),
         behaviour_logprobs=on["behaviour"],
         old_logprobs=on["old"],
@@ -293,9 +283,85 @@ def collate(
         is_weights=on["is_weights"],
         mask=torch.from_numpy(mask).to(device),
         weights=torch.from_numpy(per_token["weights"] * mask).to(device),
-        tokens=sum(sample.length for sample in samples),
+        tokens=sum(fills),
         padded_tokens=len(layout) * width,
     )
+
+
+def row_units(samples: Sequence[TrainSample], row: Sequence[int]) -> list[list[int]]:
+    """The samples of ``row`` as units: runs of consecutive samples with the same prompt (of
+    at least two tokens: a shorter one has nothing to share)."""
+    units: list[list[int]] = []
+    for index in row:
+        prompt = samples[index].prompt_token_ids
+        previous = samples[units[-1][0]].prompt_token_ids if units else None
+        if previous is not None and len(prompt) > 1 and list(prompt) == list(previous):
+            units[-1].append(index)
+        else:
+            units.append([index])
+    return units
+
+
+def unit_length(samples: Sequence[TrainSample], unit: Sequence[int]) -> int:
+    """Tokens of a unit laid out: its prompt but the last token once, then per sample that last
+    token and the response (a unit of one sample: just the sample)."""
+    prompt = len(samples[unit[0]].prompt_token_ids)
+    return (
+        prompt - 1 + sum(1 + len(samples[i].response_token_ids) for i in unit)
+        if prompt
+        else sum(samples[i].length for i in unit)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RowBuffers:
+    """The token-aligned buffers of one micro-batch as ``collate`` fills them."""
+
+    input_ids: numpy.ndarray
+    positions: numpy.ndarray
+    units: numpy.ndarray
+    """Per column, which unit of its row it belongs to (-1: padding)."""
+    spans: numpy.ndarray
+    """Per column, which sample's span it belongs to (-1: a unit's shared prefix, or padding)."""
+
+    def place_unit(
+        self, samples: Sequence[TrainSample], unit: Sequence[int], row: int, column: int, number: int
+    ) -> list[tuple[int, tuple[int, int]]]:
+        """Lay ``unit`` out at (``row``, ``column``); returns each sample's placement, the column
+        such that column + prompt length - 1 is its first response target (as for a sample alone)."""
+        prompt = list(samples[unit[0]].prompt_token_ids)
+        shared = max(len(prompt) - 1, 0)
+        end = column + shared
+        self.input_ids[row, column:end] = prompt[:shared]
+        self.positions[row, column:end] = numpy.arange(shared)
+        self.units[row, column:end] = number
+        placed = []
+        for index in unit:
+            sample = samples[index]
+            span = [*prompt[shared:], *sample.response_token_ids]
+            start, stop = end, end + len(span)
+            self.input_ids[row, start:stop] = span
+            self.positions[row, start:stop] = numpy.arange(shared, shared + len(span))
+            self.units[row, start:stop] = number
+            self.spans[row, start:stop] = index
+            placed.append((index, (row, start - shared)))
+            end = stop
+        return placed
+
+    def attention(self, shared: bool, packed: bool) -> numpy.ndarray | None:
+        """The mask the forward needs: None for packed rows (the position ids separate the
+        samples), 1 on real tokens for rows of one sample, a ``[rows, 1, width, width]`` boolean
+        mask (True: may attend) for shared prompts."""
+        if not shared:
+            return None if packed else (self.units >= 0).astype(numpy.int64)
+        width = self.units.shape[1]
+        columns = numpy.arange(width)
+        same_unit = (self.units[:, :, None] == self.units[:, None, :]) & (self.units[:, None, :] >= 0)
+        visible = (self.spans[:, None, :] == -1) | (self.spans[:, :, None] == self.spans[:, None, :])
+        causal = columns[None, :] <= columns[:, None]
+        allowed = same_unit & visible & causal[None]
+        allowed |= numpy.eye(width, dtype=numpy.bool_)[None]  # padding sees itself: no empty row
+        return allowed[:, None]
 
 
 def _place_targets(
@@ -327,29 +393,51 @@ def _place_targets(
     mask[row, span] = sample.loss_mask
 
 
-def packing_works(model: Any, role: str) -> bool:
-    """Whether ``model`` keeps packed samples apart (batching.packs_exactly); logs when it does not."""
-    if packs_exactly(model, int(model.config.vocab_size)):
-        return True
-    log.warning(
-        "the %s model (%s) mixes samples packed in one row: trained one sample per row instead",
-        role,
-        type(model).__name__,
-    )
-    return False
-
-
 def collate_pack(
-    samples: Sequence[TrainSample], token_weights: Sequence[float], pack: Pack, device: torch.device | str
+    samples: Sequence[TrainSample],
+    token_weights: Sequence[float],
+    pack: Pack,
+    device: torch.device | str,
+    shared: bool = False,
 ) -> MicroBatch:
-    """``collate`` of one micro-batch of ``plan_micro_batches``: ``pack``'s rows index into
+    """``collate`` of one micro-batch of ``plan_samples``: ``pack``'s rows index into
     ``samples`` and ``token_weights`` (a whole step's); its placements follow the pack's rows."""
     indices, rows, start = [], [], 0
     for row in pack:
         indices.extend(row)
         rows.append(list(range(start, start + len(row))))
         start += len(row)
-    return collate([samples[i] for i in indices], [token_weights[i] for i in indices], device, rows)
+    chosen = [samples[i] for i in indices]
+    return collate(chosen, [token_weights[i] for i in indices], device, rows, shared=shared)
+
+
+def plan_samples(
+    samples: Sequence[TrainSample], token_budget: int, packed: bool = True, shared: bool = False
+) -> list[Pack]:
+    """``plan_micro_batches`` of ``samples``; with ``shared`` (and ``packed``), of their prompt
+    units instead: the samples of one prompt, in pieces of at most ``SHARED_UNIT_TOKENS`` (or the
+    budget), each piece's samples consecutive in one row."""
+    if not (shared and packed):
+        return plan_micro_batches([s.length for s in samples], token_budget, packed)
+    cap = max(max(s.length for s in samples), min(token_budget, SHARED_UNIT_TOKENS))
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for index, sample in enumerate(samples):
+        by_prompt.setdefault(tuple(sample.prompt_token_ids), []).append(index)
+    units: list[list[int]] = []
+    for members in by_prompt.values():
+        units.append([])
+        for index in members:
+            if units[-1] and unit_length(samples, [*units[-1], index]) > cap:
+                units.append([])
+            units[-1].append(index)
+    lengths = [unit_length(samples, unit) for unit in units]
+    plan = plan_micro_batches(lengths, token_budget, packed=True)
+    return [[[i for u in row for i in units[u]] for row in pack] for pack in plan]
+
+
+SHARED_UNIT_TOKENS = ATTENTION_WIDTH
+"""At most this many tokens share one prompt (longer groups are cut into pieces): wider rows
+make attention dearer than the prompt tokens a piece saves."""
 
 
 def per_response_token(
@@ -358,13 +446,14 @@ def per_response_token(
     device: torch.device | str,
     forward: Callable[[MicroBatch], torch.Tensor],
     packed: bool = True,
+    shared: bool = False,
 ) -> list[list[float]]:
     """``forward``'s target-aligned ``[rows, width - 1]`` output, cut to each sample's response
-    tokens: samples laid out by ``plan_micro_batches`` and run a micro-batch at a time."""
+    tokens: samples laid out by ``plan_samples`` and run a micro-batch at a time."""
     found: dict[int, list[float]] = {}
     unweighted = [0.0] * len(samples)
-    for pack in plan_micro_batches([s.length for s in samples], token_budget, packed):
-        batch = collate_pack(samples, unweighted, pack, device)
+    for pack in plan_samples(samples, token_budget, packed, shared):
+        batch = collate_pack(samples, unweighted, pack, device, shared)
         values = forward(batch).detach().float().cpu()
         indices = [i for row in pack for i in row]
         for index, (row, column) in zip(indices, batch.placements, strict=True):

@@ -26,14 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.common.config import JobSpec
-from services.trainer.batching import (
-    MicroBatch,
-    TrainSample,
-    collate_pack,
-    packing_works,
-    per_response_token,
-    plan_micro_batches,
-)
+from services.trainer.batching import MicroBatch, TrainSample, collate_pack, per_response_token, plan_samples
+from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
 
 CRITIC_DIR = "critic"
@@ -59,13 +53,20 @@ class Critic:
     """Backbone + scalar head, with its own optimiser."""
 
     def __init__(
-        self, backbone: Any, head: torch.nn.Linear, spec: JobSpec, device: torch.device, packed: bool = True
+        self,
+        backbone: Any,
+        head: torch.nn.Linear,
+        spec: JobSpec,
+        device: torch.device,
+        packed: bool = True,
+        shared: bool = False,
     ) -> None:
         self.backbone = backbone
         self.head = head
         self.spec = spec
         self.device = device
         self.packed = packed
+        self.shared = shared
         self.parameters = [*backbone.parameters(), *head.parameters()]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=spec.algorithm.critic_learning_rate, weight_decay=spec.trainer.weight_decay
@@ -88,7 +89,8 @@ class Critic:
         if (model_dir / HEAD_FILE).is_file():
             head.load_state_dict(load_file(str(model_dir / HEAD_FILE)))
         packed = spec.trainer.packing and packing_works(backbone, "critic")
-        return cls(backbone, head.to(device), spec, device, packed)
+        shared = packed and spec.trainer.share_prompts and sharing_works(backbone, "critic")
+        return cls(backbone, head.to(device), spec, device, packed, shared)
 
     def save(self, directory: Path) -> None:
         """An HF directory of the backbone plus the head's safetensors."""
@@ -116,7 +118,7 @@ class Critic:
         """The value before each response token of each sample, under the current weights."""
         self.backbone.eval()
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._values, self.packed)
+        return per_response_token(samples, budget, self.device, self._values, self.packed, self.shared)
 
     def optimiser_step(self, samples: Sequence[TrainSample]) -> CriticStats:
         """One step on the clipped value loss, gradients accumulated over packed micro-batches.
@@ -133,8 +135,8 @@ class Critic:
         loss = clipped = 0.0
         tokens = 0
         budget = self.spec.trainer.micro_batch_tokens
-        for pack in plan_micro_batches([s.length for s in samples], budget, self.packed):
-            batch = collate_pack(samples, weights, pack, self.device)
+        for pack in plan_samples(samples, budget, self.packed, self.shared):
+            batch = collate_pack(samples, weights, pack, self.device, self.shared)
             result = value_loss(
                 ValueLossInputs(
                     self._values(batch), batch.old_values, batch.returns, batch.mask, batch.weights

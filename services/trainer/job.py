@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -35,10 +35,11 @@ from services.trainer.checkpoints import SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
 from services.trainer.config import TrainerSettings
 from services.trainer.critic import CRITIC_DIR, Critic
+from services.trainer.job_control import CheckpointUnavailable, JobControl, JobStopped, StopKind
 from services.trainer.lineage import Lineage
 from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import StepStats
-from services.trainer.policy import Policy, deepspeed_config, init_distributed
+from services.trainer.policy import Policy, deepspeed_config, init_distributed, write_weights_file
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
@@ -59,50 +60,6 @@ TRAJECTORY_GROUP = TRAINER_GROUP
 NO_MIN_VERSION = -(2**63)
 """Under a stale policy that keeps stale samples (``downweight``) no group is too old to train on."""
 Trajectory = common_pb2.Trajectory
-
-
-class StopKind(enum.Enum):
-    SHUTDOWN = "shutdown"
-    """The process is stopping: leave the job unacked for another trainer."""
-    LOST = "lost"
-    """Another trainer holds the job now: leave it."""
-    REQUESTED = "requested"
-    """Stop RPC: report the job CANCELLED and ack it."""
-    ENDED_ELSEWHERE = "ended elsewhere"
-    """The job store says the job is over (cancelled by the api, say): ack it quietly."""
-
-
-class JobStopped(Exception):
-    def __init__(self, kind: StopKind, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
-
-
-class CheckpointUnavailable(Exception):
-    """The job has no checkpoint of its current weights (it is still loading, or failed to)."""
-
-
-class JobControl:
-    """Stop requests for the running job, checked between steps and between reads."""
-
-    def __init__(self, shutdown: asyncio.Event) -> None:
-        self.shutdown = shutdown
-        self._stop: JobStopped | None = None
-
-    def stop(self, stop: JobStopped) -> None:
-        if self._stop is None:
-            self._stop = stop
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop is not None or self.shutdown.is_set()
-
-    def check(self) -> None:
-        if self.shutdown.is_set():
-            raise JobStopped(StopKind.SHUTDOWN, "the trainer is shutting down")
-        if self._stop is not None:
-            raise self._stop
 
 
 def check_supported(spec: JobSpec) -> None:
@@ -167,6 +124,8 @@ class JobRun:
         self.model_lock = asyncio.Lock()
         self.drops = DropCounts()
         self._in_training: list[Delivery[Trajectory]] = []
+        self._reported: asyncio.Future[None] | None = None
+        """The last step's report, made once its weights are out (``_settle``)."""
 
     async def run(self) -> None:
         check_supported(self.spec)
@@ -192,12 +151,16 @@ class JobRun:
                 groups = await self._collect(consumer)
                 await self._train_step(consumer, groups, time.monotonic() - waited)
                 self.control.check()
+            await self._settle()
         except JobStopped as stop:
             if stop.kind is not StopKind.LOST:  # the job is still ours: keep what was trained
                 async with self.model_lock:
                     await self._save_durable()
+                    await self._settle()
             raise
         finally:
+            if self._reported is not None:
+                self._reported.cancel()  # an error ends the job: a report in flight goes with it
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
@@ -268,10 +231,6 @@ class JobRun:
         assert self.policy is not None
         self.policy.save(directory)
 
-    def _write_weights(self, directory: Path) -> None:
-        assert self.policy is not None
-        self.policy.save_weights(directory)
-
     def _write_training_state(self, directory: Path) -> None:
         """The optimiser and schedule; the critic, if any, in its ``critic/`` subdirectory."""
         assert self.policy is not None
@@ -291,6 +250,7 @@ class JobRun:
         """A durable checkpoint of the current weights, once any step in progress has finished
         (written now unless the newest one holds them; at v0, the base model's handle)."""
         async with self.model_lock:
+            await self._settle()
             published = self.lineage.published
             if published is None or published.handle.version != self.version:
                 raise CheckpointUnavailable(f"job {self.job_id} has no checkpoint of its current weights")
@@ -344,9 +304,6 @@ class JobRun:
                 elif outcome in (Outcome.REJECTED, Outcome.SURPLUS):
                     await consumer.dead_letter(delivery, reason, no_replacement=outcome is Outcome.SURPLUS)
 
-    def _version_of(self) -> tuple[str, int, int]:
-        return self.job_id, self.version, self.lineage.epoch
-
     def _foreign(self, group: Group) -> bool:
         return self.lineage.foreign(group, self.version)
 
@@ -394,8 +351,9 @@ class JobRun:
     async def _train_step(
         self, consumer: StreamConsumer[Trajectory], groups: list[Group], wait_s: float = 0.0
     ) -> None:
-        """Optimise on the groups, publish the weights, every few steps a durable checkpoint
-        (which acks what it covers), then report the step (``wait_s``: collecting the groups)."""
+        """Optimise on the groups, publish the weights (written beside the next step's optimise),
+        every few steps a durable checkpoint (which acks what it covers), then report the step
+        once its weights are out (``wait_s``: collecting the groups)."""
         stages = stage_metric_values(groups, time.time())
         self._in_training = unique_deliveries(groups)
         async with self.model_lock:
@@ -403,10 +361,13 @@ class JobRun:
             started = time.monotonic()
             prepared, stats = await asyncio.to_thread(self._optimise, groups)
             optimised = time.monotonic()
+            await self._settle()  # the previous step's weights and report are out: in order
             self.version += 1
             self._enter(trainer_pb2.TRAINER_STATE_SAVING)
-            published = await self.lineage.publish(self.version, self._write_model, self._write_weights)
-            log.info("job %s: published checkpoint v%d (epoch %d, weights only)", *self._version_of())
+            assert self.policy is not None
+            snapshot = await asyncio.to_thread(self.policy.weights_snapshot)
+            write = functools.partial(write_weights_file, snapshot)
+            publication = self.lineage.publish_beside(self.version, write)
             self.lineage.hold(self._in_training, [t for group in groups for t in group.trajectories])
             self._in_training = []
             self._report_version()
@@ -414,11 +375,23 @@ class JobRun:
             saved = await self._save_durable() if self.lineage.durable_due(self.version) else None
             saved_at = time.monotonic() if saved is not None else published_at
         await asyncio.to_thread(self.store.prune)
-        written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
-        times = StepTimes(
-            optimised - started, published_at - optimised, saved_at - published_at, written, wait_s
-        )
-        await self._publish_metrics(stats, prepared, times, groups, stages)
+        version, epoch, drops, self.drops = self.version, self.lineage.epoch, self.drops, DropCounts()
+
+        async def report() -> None:
+            published, write_s = await publication
+            log.info("job %s: published checkpoint v%d (epoch %d, weights only)", self.job_id, version, epoch)
+            written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
+            publish_s, checkpoint_s = published_at - optimised, saved_at - published_at
+            times = StepTimes(optimised - started, publish_s, checkpoint_s, written, wait_s, write_s)
+            await self._publish_metrics(stats, prepared, times, groups, stages, version, drops)
+
+        self._reported = asyncio.ensure_future(report())
+
+    async def _settle(self) -> None:
+        """Wait until the last step's weights and report are out (raising their error)."""
+        if self._reported is not None:
+            await self._reported
+            self._reported = None
 
     def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
         """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
@@ -440,17 +413,18 @@ class JobRun:
         times: StepTimes,
         groups: list[Group],
         stages: dict[str, float],
+        version: int,
+        drops: DropCounts,
     ) -> None:
-        values = step_metric_values(stats, prepared, times, self.drops) | stages
+        values = step_metric_values(stats, prepared, times, drops) | stages
         if self.spec.rollout.max_turns > 1:
             values["tool_use_rate"] = tool_use_rate(groups)
-        self.drops = DropCounts()
-        await self._publish_trainer_metric(values)
+        await self.bus.publish_metric(self.job_id, "trainer", values, step=version, policy_version=version)
         self.progress.consumed_trajectories += len(prepared.rewards)
         self.progress.last_metrics = values
         log.info(
             "job %s: step %d loss %.4f reward %.3f clip %.3f kl %.2e grad %.3f (%.2fs)",
-            *(self.job_id, self.version, stats.loss, values["reward_mean"], stats.clip_fraction),
+            *(self.job_id, version, stats.loss, values["reward_mean"], stats.clip_fraction),
             *(stats.approx_kl, stats.grad_norm, values["step_seconds"]),
         )
 
@@ -460,11 +434,6 @@ class JobRun:
         signal.groups_dropped.CopyFrom(dropped)
         signal.time.GetCurrentTime()
         await self.bus.publish(self.streams.control, signal)
-
-    async def _publish_trainer_metric(self, values: dict[str, float]) -> None:
-        await self.bus.publish_metric(
-            self.job_id, "trainer", values, step=self.version, policy_version=self.version
-        )
 
     # -- keep-alive ------------------------------------------------------------------------
 

@@ -62,6 +62,8 @@ class Lineage:
         """Trained since the newest durable checkpoint: unacked until the next one."""
         self._durable_at = time.monotonic()
         self._last_entry = "0-0"
+        self._publishing: asyncio.Future[tuple[PublishedWeights, float]] | None = None
+        """The publication written beside training (``publish_beside``), until ``flush``."""
 
     @property
     def durable_version(self) -> int:
@@ -106,6 +108,32 @@ class Lineage:
         self.published = published
         return published
 
+    def publish_beside(
+        self, version: int, write_weights: Callable[[Path], None]
+    ) -> asyncio.Future[tuple[PublishedWeights, float]]:
+        """``publish`` while the trainer goes on (``write_weights`` writes a snapshot, not the
+        live weights); the previous publication must be out (``flush``), so handles go out in
+        order and each version's files are linked from the one before. The future gives the
+        publication and its seconds."""
+        if self._publishing is not None and not self._publishing.done():
+            raise RuntimeError(f"publication of v{version} started before the previous one was out")
+        if self.published is None:
+            raise RuntimeError(f"v{version} has no earlier version to link its model files from")
+
+        async def timed() -> tuple[PublishedWeights, float]:
+            started = time.monotonic()
+            published = await self.publish(version, write_weights, write_weights)
+            return published, time.monotonic() - started
+
+        self._publishing = asyncio.ensure_future(timed())
+        return self._publishing
+
+    async def flush(self) -> None:
+        """Wait for the publication written beside training, if any (its error is raised here)."""
+        if self._publishing is not None:
+            await self._publishing
+            self._publishing = None
+
     def hold(self, deliveries: Sequence[Delivery[Trajectory]], trained_ids: Sequence[str]) -> None:
         """The step's trajectories are trained: keep them unacked until a durable checkpoint."""
         self._held.extend(deliveries)
@@ -129,6 +157,7 @@ class Lineage:
     ) -> SavedCheckpoint | None:
         """A durable checkpoint of the published weights, then the acks of what it covers;
         None when the newest durable checkpoint (or the base model) already holds them."""
+        await self.flush()  # the durable checkpoint links the published version's files
         published = self.published
         if published is None or (published.handle.version == self.durable_version and not self._held):
             return None  # still loading, or nothing trained since

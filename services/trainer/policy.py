@@ -28,14 +28,14 @@ from services.trainer.batching import (
     MicroBatch,
     TrainSample,
     collate_pack,
-    packing_works,
     per_response_token,
-    plan_micro_batches,
+    plan_samples,
     token_logprobs,
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
 from services.trainer.critic import Critic
 from services.trainer.extension_locks import extension_build_guard
+from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import POLICY_LOSSES, sample_token_weights
 from services.trainer.objective import (
     ProximalFromForward,
@@ -230,12 +230,10 @@ def _restore_training_state(engine: Any, state: Path, zero_stage: int) -> None:
     log.info("restored the optimiser and schedule from %s", state)
 
 
-def save_weights_file(module: Any, directory: Path) -> None:
-    """The model.safetensors ``save_pretrained`` writes, as one file whatever the size (engines
-    verify its sha256), without its per-call cost (≈20 ms of a step for a 2 MB model): each
-    tensor once, a tied one under the name transformers keeps (its ``_tied_weights_keys`` dropped)."""
-    from safetensors.torch import save_file
-
+def weights_state(module: Any, *, snapshot: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors model.safetensors holds: each once, a tied one under the name transformers
+    keeps (its ``_tied_weights_keys`` dropped); with ``snapshot``, CPU copies that later steps do
+    not change."""
     tied = set(getattr(module, "_tied_weights_keys", None) or ())
     full = module.state_dict()
     kept: set[str] = set()
@@ -246,8 +244,24 @@ def save_weights_file(module: Any, directory: Path) -> None:
         if identity not in seen or full[name].numel() == 0:
             seen.add(identity)
             kept.add(name)
-    state = {name: tensor.detach().contiguous() for name, tensor in full.items() if name in kept}
+    state = {name: tensor.detach() for name, tensor in full.items() if name in kept}
+    if snapshot:
+        return {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def write_weights_file(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """``directory``/model.safetensors of ``state`` (``weights_state``), as one file whatever
+    the size (engines verify its sha256)."""
+    from safetensors.torch import save_file
+
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_weights_file(module: Any, directory: Path) -> None:
+    """The model.safetensors ``save_pretrained`` writes, without its per-call cost (≈20 ms of a
+    step for a 2 MB model)."""
+    write_weights_file(weights_state(module), directory)
 
 
 def loaded(what: str, path: str | Path, auto: Any, trust_remote_code: bool) -> Any:
@@ -261,11 +275,16 @@ def loaded(what: str, path: str | Path, auto: Any, trust_remote_code: bool) -> A
 class Policy:
     """A DeepSpeed-wrapped causal LM with its tokenizer."""
 
-    def __init__(self, engine: Any, tokenizer: Any, spec: JobSpec, packed: bool = True) -> None:
+    def __init__(
+        self, engine: Any, tokenizer: Any, spec: JobSpec, packed: bool = True, shared: bool = False
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.spec = spec
         self.packed = packed
+        self.shared = shared
+        """The samples of one prompt share it in their row (trainer.share_prompts, and the model
+        honours the mask)."""
         """Several samples per row (trainer.packing, and the model keeps them apart)."""
         self.zero_stage = zero_stage(spec.trainer)
         self.device = torch.device(engine.device)
@@ -308,6 +327,7 @@ class Policy:
         # fp32 master weights; DeepSpeed casts the module itself when bf16 or fp16 is on.
         model = loaded("model", model_dir, AutoModelForCausalLM, trust).float()
         packed = trainer.packing and packing_works(model, "policy")
+        shared = packed and trainer.share_prompts and sharing_works(model, "policy")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -319,7 +339,7 @@ class Policy:
         )
         if training_state is not None:
             _restore_training_state(engine, training_state, zero_stage(trainer))
-        return cls(engine, tokenizer, spec, packed)
+        return cls(engine, tokenizer, spec, packed, shared)
 
     def optimise(
         self,
@@ -356,15 +376,14 @@ class Policy:
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
         # With several ranks each runs its share of the packs (services/trainer/distributed.py).
-        lengths = [s.length for s in samples]
         packs = distributed.share_of(
-            plan_micro_batches(lengths, self.spec.trainer.micro_batch_tokens, self.packed)
+            plan_samples(samples, self.spec.trainer.micro_batch_tokens, self.packed, self.shared)
         )
         self.engine.train()
         totals = Totals()
         for index, (pack, real) in enumerate(packs):
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
-            batch = collate_pack(samples, [w * scale for w in weights], pack, self.device)
+            batch = collate_pack(samples, [w * scale for w in weights], pack, self.device, self.shared)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
             logits = self.engine(**batch.model_inputs()).logits
             loss = micro_batch_loss(
@@ -389,7 +408,9 @@ class Policy:
         """log p of each response token of each sample under the current weights."""
         self.engine.eval()
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._token_logprobs, self.packed)
+        return per_response_token(
+            samples, budget, self.device, self._token_logprobs, self.packed, self.shared
+        )
 
     def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         return token_logprobs(self.engine(**batch.model_inputs()).logits, batch.input_ids)
@@ -419,6 +440,16 @@ class Policy:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
             if distributed.rank() == 0:
                 save_weights_file(module, directory)
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor] | None:
+        """A CPU copy of what ``save_weights`` writes, for writing while training goes on (rank
+        0's; None on the others). Call it on every rank: ZeRO-3 gathers the shards."""
+        import deepspeed
+
+        module = self.engine.module
+        gather = self.zero_stage == 3
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
+            return weights_state(module, snapshot=True) if distributed.rank() == 0 else None
 
     def save_training_state(self, directory: Path) -> None:
         """DeepSpeed's checkpoint of the optimiser and schedule in ``directory/training_state``;

@@ -17,13 +17,8 @@ from typing import Any
 import torch
 
 from services.common.config import JobSpec
-from services.trainer.batching import (
-    MicroBatch,
-    TrainSample,
-    packing_works,
-    per_response_token,
-    token_logprobs,
-)
+from services.trainer.batching import MicroBatch, TrainSample, per_response_token, token_logprobs
+from services.trainer.layout_checks import packing_works, sharing_works
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +28,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ReferenceModel:
     """A causal LM that is never trained: log p of response tokens under the base model."""
 
-    def __init__(self, model: Any, spec: JobSpec, device: torch.device, packed: bool = True) -> None:
+    def __init__(
+        self, model: Any, spec: JobSpec, device: torch.device, packed: bool = True, shared: bool = False
+    ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
         self.packed = packed
+        self.shared = shared
 
     @classmethod
     def load(cls, spec: JobSpec, model_dir: Path, device: torch.device) -> ReferenceModel:
@@ -49,13 +47,15 @@ class ReferenceModel:
         model.to(device).eval()
         model.requires_grad_(False)
         log.info("reference model loaded from %s (%s)", model_dir, spec.model.dtype)
-        return cls(model, spec, device, spec.trainer.packing and packing_works(model, "reference"))
+        packed = spec.trainer.packing and packing_works(model, "reference")
+        shared = packed and spec.trainer.share_prompts and sharing_works(model, "reference")
+        return cls(model, spec, device, packed, shared)
 
     @torch.no_grad()
     def response_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """log p of each response token of each sample under the reference weights."""
         budget = self.spec.trainer.micro_batch_tokens
-        return per_response_token(samples, budget, self.device, self._logprobs, self.packed)
+        return per_response_token(samples, budget, self.device, self._logprobs, self.packed, self.shared)
 
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
         return token_logprobs(self.model(**batch.model_inputs()).logits, batch.input_ids)

@@ -62,6 +62,9 @@ class StepTimes:
     bytes_written: int
     wait_s: float = 0.0
     """Waiting for the step's groups (from the end of the previous step)."""
+    write_s: float = 0.0
+    """Writing and announcing the weights, beside the next step (``publish_s`` is what the step
+    itself waits: the snapshot, and the previous step's publication if still out)."""
 
 
 def tool_use_rate(groups: Iterable[Group]) -> float:
@@ -89,6 +92,7 @@ def step_metric_values(
         "wait_seconds": times.wait_s,
         "optimise_seconds": times.optimise_s,
         "publish_seconds": times.publish_s,
+        "publish_write_seconds": times.write_s,
         "checkpoint_seconds": times.checkpoint_s,
         "saving_share": (times.publish_s + times.checkpoint_s) / step_s if step_s > 0 else 0.0,
         "bytes_written": float(times.bytes_written),

@@ -18,7 +18,7 @@ from services.common.pb import trainer_pb2, trainer_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.trainer.config import TrainerSettings
 from services.trainer.distributed import World, world_from_env
-from services.trainer.job import CheckpointUnavailable
+from services.trainer.job_control import CheckpointUnavailable
 from services.trainer.leader import follow, start_leader
 from services.trainer.worker import NoJobError, TrainerWorker
 

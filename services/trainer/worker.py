@@ -21,7 +21,8 @@ from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, JobStreams
 from services.trainer.config import TrainerSettings
-from services.trainer.job import JOB_GROUP, JobControl, JobRun, JobStopped, StopKind
+from services.trainer.job import JOB_GROUP, JobRun
+from services.trainer.job_control import JobControl, JobStopped, StopKind
 from services.trainer.report import Progress
 from services.trainer.transport import open_transport
 

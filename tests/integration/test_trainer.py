@@ -380,6 +380,7 @@ async def test_stop_cancels_the_running_job(bus: Bus, model_dir: Path, tmp_path:
         assert not (tmp_path / "stopped" / "v000001").exists()
         step = await step_metrics(bus, "stopped", 1, DEADLINE_S)
         assert step["checkpoint_seconds"] == 0 and 0 < step["publish_seconds"] < step["step_seconds"]
+        assert step["publish_write_seconds"] > 0, "written beside the next step, and timed"
         # The config and tokenizer files are linked from v0: the step wrote little but the weights.
         assert v1.size_bytes <= step["bytes_written"] < 1.05 * v1.size_bytes
         reply = await stub.Stop(trainer_pb2.StopTrainerRequest(reason="enough"), timeout=30)

@@ -1,11 +1,14 @@
-"""Padding-free packing: several samples end to end in one row, each with its own position ids.
+"""Padding-free packing: several samples end to end in one row, each with its own position ids,
+and shared prompts: the samples of one prompt computing it once.
 
 The plan (which samples share a row, which rows a micro-batch), the collated tensors of a
-packed row, and the models: a packed forward must give every sample what it gets alone.
+packed row, and the models: a packed or shared forward must give every sample what it gets
+alone, and the same gradient.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 from typing import Any
@@ -18,13 +21,13 @@ from services.trainer.batching import (
     TrainSample,
     collate,
     collate_pack,
-    packing_works,
-    packs_exactly,
     padding_waste,
     per_response_token,
     plan_micro_batches,
+    plan_samples,
     token_logprobs,
 )
+from services.trainer.layout_checks import packing_works, packs_exactly, shares_exactly, sharing_works
 from tests.unit.test_decoder import build as decoder_model
 
 
@@ -119,14 +122,15 @@ def test_packed_rows_give_each_sample_its_own_logprobs(kind: str) -> None:
         assert mine == pytest.approx(reference, abs=1e-5)
 
 
-def test_packed_and_padded_micro_batches_give_the_same_gradient() -> None:
-    samples = random_samples(random.Random(2), 10)
+@pytest.mark.parametrize("shared", [False, True])
+def test_packed_or_shared_and_padded_micro_batches_give_the_same_gradient(shared: bool) -> None:
+    samples = groups_of(random.Random(4), 3, 4)
     weights = [1.0 / sum(s.loss_tokens for s in samples)] * len(samples)
 
     def gradient(packed: bool) -> list[torch.Tensor]:
         model = build("llama").train()
-        for pack in plan_micro_batches([s.length for s in samples], 96, packed):
-            batch = collate_pack(samples, weights, pack, "cpu")
+        for pack in plan_samples(samples, 96, packed, shared):
+            batch = collate_pack(samples, weights, pack, "cpu", shared and packed)
             logprobs = token_logprobs(model(**batch.model_inputs()).logits, batch.input_ids)
             (-(logprobs * batch.advantages * batch.weights).sum()).backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -150,12 +154,94 @@ class CumulativeLM(torch.nn.Module):
         return (self.head(hidden),)
 
 
-def test_a_model_that_mixes_packed_samples_is_trained_one_sample_per_row(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("exact", "works", "warning"),
+    [(packs_exactly, packing_works, "one sample per row"), (shares_exactly, sharing_works, "its own prompt")],
+)
+def test_a_model_that_mixes_samples_is_trained_without_that_layout(
+    exact: Any, works: Any, warning: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = CumulativeLM()
-    assert not packs_exactly(model, 30)
+    model = CumulativeLM()  # neither packing nor a shared prompt's mask keeps its samples apart
+    assert not exact(model, 30)
     with caplog.at_level(logging.WARNING):
-        assert not packing_works(model, "policy")
-    assert "one sample per row" in caplog.text
-    assert packing_works(build("llama"), "policy")
+        assert not works(model, "policy")
+    assert warning in caplog.text
+    assert works(build("llama"), "policy")
+
+
+def groups_of(rng: random.Random, prompts: int, size: int, vocab: int = 90) -> list[TrainSample]:
+    """GRPO-like samples: ``prompts`` prompts x ``size`` responses each, groups interleaved."""
+    heads = [[rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(prompts)]
+    samples = [
+        sample(head, [rng.randrange(vocab) for _ in range(rng.randint(1, 12))], rng.uniform(-1, 1))
+        for head in heads
+        for _ in range(size)
+    ]
+    rng.shuffle(samples)
+    return samples
+
+
+def test_a_shared_prompt_is_laid_out_once_with_each_response_in_its_own_span() -> None:
+    first = sample([1, 2, 3], [4, 5], advantage=0.5)
+    second = sample([1, 2, 3], [6], advantage=-1.0)
+    batch = collate([first, second], [0.25, 0.5], "cpu", rows=[[0, 1]], shared=True)
+    # prefix [1, 2], then [3, 4, 5] and [3, 6]: the prompt's last token starts each span
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 4, 5, 3, 6]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 2, 3]
+    assert batch.placements == ((0, 0), (0, 3)), "column + prompt length - 1: the first target"
+    assert batch.mask[0].tolist() == [False, False, True, True, False, True]
+    assert batch.advantages[0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, -1.0]
+    assert batch.weights[0].tolist() == [0.0, 0.0, 0.25, 0.25, 0.0, 0.5]
+    assert (batch.tokens, batch.padded_tokens) == (7, 7)
+    allowed = batch.model_inputs()["attention_mask"]
+    assert isinstance(allowed, torch.Tensor) and allowed.shape == (1, 1, 7, 7)
+    seen = [[int(v) for v in row] for row in allowed[0, 0].tolist()]
+    assert seen == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0],  # the second span sees the prefix and itself, not the first span
+        [1, 1, 0, 0, 0, 1, 1],
+    ]
+    other = sample([7, 8], [9])  # another prompt: a unit of its own, its own prefix
+    batch = collate([first, other], [1.0, 1.0], "cpu", rows=[[0, 1]], shared=True)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert batch.model_inputs()["attention_mask"][0, 0, 6].tolist() == [False] * 5 + [True, True, False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shared_plan_keeps_a_prompts_samples_together_within_the_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    samples = groups_of(rng, rng.randint(1, 12), rng.choice([1, 4, 8]))
+    budget = rng.choice([64, 256, 1024])
+    packs = plan_samples(samples, budget, shared=True)
+    assert sorted(i for pack in packs for row in pack for i in row) == list(range(len(samples)))
+    for pack in packs:
+        batch = collate_pack(samples, [1.0] * len(samples), pack, "cpu", shared=True)
+        assert batch.padded_tokens <= max(budget, max(s.length for s in samples) * 8)
+    plain = sum(s.length for s in samples)
+    laid_out = sum(collate_pack(samples, [1.0] * len(samples), p, "cpu", shared=True).tokens for p in packs)
+    counts = collections.Counter(tuple(s.prompt_token_ids) for s in samples)
+    shareable = any(count > 1 and len(prompt) > 1 for prompt, count in counts.items())
+    assert laid_out < plain if shareable else laid_out == plain
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_shared_prompts_give_each_sample_its_own_logprobs(kind: str) -> None:
+    model = build(kind)
+    samples = groups_of(random.Random(3), 4, 4)
+
+    def logprobs(batch: Any) -> torch.Tensor:
+        return token_logprobs(model(**batch.model_inputs()).logits, batch.input_ids)
+
+    with torch.no_grad():
+        alone = [per_response_token([s], 10_000, "cpu", logprobs, packed=False)[0] for s in samples]
+        shared = per_response_token(samples, 128, "cpu", logprobs, packed=True, shared=True)
+    assert shares_exactly(model, 90)
+    packs = plan_samples(samples, 128, shared=True)
+    laid_out = sum(collate_pack(samples, [0.0] * len(samples), p, "cpu", shared=True).tokens for p in packs)
+    assert laid_out < sum(s.length for s in samples), "the prompts really are shared"
+    for mine, reference in zip(shared, alone, strict=True):
+        assert mine == pytest.approx(reference, abs=1e-5)

@@ -24,7 +24,7 @@ from services.trainer.collector import Group, GroupCollector, Outcome, TrainedWi
 from services.trainer.lineage import Lineage
 from services.trainer.losses import POLICY_LOSSES
 from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
-from services.trainer.policy import learning_rate_schedule
+from services.trainer.policy import learning_rate_schedule, weights_state, write_weights_file
 from services.trainer.prepare import prepare
 from services.trainer.regularizers import token_entropy
 
@@ -128,6 +128,31 @@ def test_checkpoint_store_writes_atomically_and_prunes(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         store.publish_weights(9, 3, "float32", lambda directory: None)
     assert store.weights() == [(2, 4), (2, 5), (3, 3)]
+
+
+def test_a_weights_snapshot_is_what_the_step_made_whatever_comes_after(tmp_path: Path) -> None:
+    """Weights are written beside the next step (job.py): from a snapshot, each tensor once."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    snapshot = weights_state(model, snapshot=True)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # the next step
+    write_weights_file(snapshot, tmp_path)
+    written = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in written, "a tied tensor is written once"
+    assert written.keys() == {name for name in before if name != "lm_head.weight"}
+    for name, tensor in written.items():
+        assert torch.equal(tensor, before[name]), name
+    embeddings = "model.embed_tokens.weight"
+    assert not torch.equal(weights_state(model)[embeddings], before[embeddings]), "the live weights"
 
 
 def test_the_trained_window_keeps_the_last_manifests_and_its_floor() -> None:
