@@ -69,14 +69,19 @@ class StepResult:
 
 def job_spec(model_dir: Path, shape: Shape, micro_batch_tokens: int, learning_rate: float) -> JobSpec:
     """A GRPO job on ``model_dir``: ppo_clip, token-mean aggregation, ZeRO-1, clipping at 1.0
-    (the defaults), one optimiser step per rollout batch."""
+    (the defaults), one optimiser step per rollout batch; prompts not shared, so that both sides
+    run the very same micro-batches (what sharing saves, bench/loop_stages.py shows)."""
     return parse_job_spec(
         {
             "name": "bench-trainer",
             "model": {"path": str(model_dir)},
             "algorithm": {"advantage": "grpo", "group_size": shape.group_size, "max_staleness": 0},
             "rollout": {"prompts_per_step": shape.groups, "max_new_tokens": shape.max_new_tokens},
-            "trainer": {"micro_batch_tokens": micro_batch_tokens, "learning_rate": learning_rate},
+            "trainer": {
+                "micro_batch_tokens": micro_batch_tokens,
+                "learning_rate": learning_rate,
+                "share_prompts": False,
+            },
         }
     )
 
