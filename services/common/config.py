@@ -270,7 +270,8 @@ class TrainerConfig(Section):
     """Lay several samples end to end in a row (no padding between them); false: one per row."""
     share_prompts: bool = True
     """With packing, compute a prompt once for all its samples (a GRPO group), each sample's
-    response attending to it through a 4D mask: the same logits, fewer tokens."""
+    response attending to it through a 4D mask: the same logits, fewer tokens (steps whose
+    samples are all at most 512 tokens long)."""
     ppo_epochs: int = Field(1, ge=1, le=100)
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1, le=1024)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from services.trainer.sharing import SHARED_UNIT_TOKENS, row_units, sharing_pays, unit_length
+
 log = logging.getLogger(__name__)
 
 
@@ -288,31 +290,6 @@ def collate(
     )
 
 
-def row_units(samples: Sequence[TrainSample], row: Sequence[int]) -> list[list[int]]:
-    """The samples of ``row`` as units: runs of consecutive samples with the same prompt (of
-    at least two tokens: a shorter one has nothing to share)."""
-    units: list[list[int]] = []
-    for index in row:
-        prompt = samples[index].prompt_token_ids
-        previous = samples[units[-1][0]].prompt_token_ids if units else None
-        if previous is not None and len(prompt) > 1 and list(prompt) == list(previous):
-            units[-1].append(index)
-        else:
-            units.append([index])
-    return units
-
-
-def unit_length(samples: Sequence[TrainSample], unit: Sequence[int]) -> int:
-    """Tokens of a unit laid out: its prompt but the last token once, then per sample that last
-    token and the response (a unit of one sample: just the sample)."""
-    prompt = len(samples[unit[0]].prompt_token_ids)
-    return (
-        prompt - 1 + sum(1 + len(samples[i].response_token_ids) for i in unit)
-        if prompt
-        else sum(samples[i].length for i in unit)
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class RowBuffers:
     """The token-aligned buffers of one micro-batch as ``collate`` fills them."""
@@ -435,11 +412,6 @@ def plan_samples(
     return [[[i for u in row for i in units[u]] for row in pack] for pack in plan]
 
 
-SHARED_UNIT_TOKENS = ATTENTION_WIDTH
-"""At most this many tokens share one prompt (longer groups are cut into pieces): wider rows
-make attention dearer than the prompt tokens a piece saves."""
-
-
 def per_response_token(
     samples: Sequence[TrainSample],
     token_budget: int,
@@ -452,6 +424,7 @@ def per_response_token(
     tokens: samples laid out by ``plan_samples`` and run a micro-batch at a time."""
     found: dict[int, list[float]] = {}
     unweighted = [0.0] * len(samples)
+    shared = sharing_pays(samples, shared)
     for pack in plan_samples(samples, token_budget, packed, shared):
         batch = collate_pack(samples, unweighted, pack, device, shared)
         values = forward(batch).detach().float().cpu()

@@ -26,7 +26,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.common.config import JobSpec
-from services.trainer.batching import MicroBatch, TrainSample, collate_pack, per_response_token, plan_samples
+from services.trainer.batching import (
+    MicroBatch,
+    TrainSample,
+    collate_pack,
+    per_response_token,
+    plan_samples,
+    sharing_pays,
+)
 from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
 
@@ -135,8 +142,9 @@ class Critic:
         loss = clipped = 0.0
         tokens = 0
         budget = self.spec.trainer.micro_batch_tokens
-        for pack in plan_samples(samples, budget, self.packed, self.shared):
-            batch = collate_pack(samples, weights, pack, self.device, self.shared)
+        shared = sharing_pays(samples, self.shared)
+        for pack in plan_samples(samples, budget, self.packed, shared):
+            batch = collate_pack(samples, weights, pack, self.device, shared)
             result = value_loss(
                 ValueLossInputs(
                     self._values(batch), batch.old_values, batch.returns, batch.mask, batch.weights

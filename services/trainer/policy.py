@@ -30,6 +30,7 @@ from services.trainer.batching import (
     collate_pack,
     per_response_token,
     plan_samples,
+    sharing_pays,
     token_logprobs,
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
@@ -376,14 +377,15 @@ class Policy:
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
         # With several ranks each runs its share of the packs (services/trainer/distributed.py).
+        shared = sharing_pays(samples, self.shared)
         packs = distributed.share_of(
-            plan_samples(samples, self.spec.trainer.micro_batch_tokens, self.packed, self.shared)
+            plan_samples(samples, self.spec.trainer.micro_batch_tokens, self.packed, shared)
         )
         self.engine.train()
         totals = Totals()
         for index, (pack, real) in enumerate(packs):
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
-            batch = collate_pack(samples, [w * scale for w in weights], pack, self.device, self.shared)
+            batch = collate_pack(samples, [w * scale for w in weights], pack, self.device, shared)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
             logits = self.engine(**batch.model_inputs()).logits
             loss = micro_batch_loss(

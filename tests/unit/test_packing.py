@@ -28,6 +28,7 @@ from services.trainer.batching import (
     token_logprobs,
 )
 from services.trainer.layout_checks import packing_works, packs_exactly, shares_exactly, sharing_works
+from services.trainer.sharing import SHARED_SAMPLE_TOKENS, sharing_pays
 from tests.unit.test_decoder import build as decoder_model
 
 
@@ -245,3 +246,20 @@ def test_shared_prompts_give_each_sample_its_own_logprobs(kind: str) -> None:
     assert laid_out < sum(s.length for s in samples), "the prompts really are shared"
     for mine, reference in zip(shared, alone, strict=True):
         assert mine == pytest.approx(reference, abs=1e-5)
+
+
+def test_steps_of_long_samples_do_not_share_their_prompts() -> None:
+    """Past SHARED_SAMPLE_TOKENS a piece of a group is one sample, and its rows would need
+    width x width masks: such a step is packed as usual."""
+    short = groups_of(random.Random(5), 2, 4)
+    assert sharing_pays(short, True) and not sharing_pays(short, False)
+    long = [sample([1, 2, 3], [5] * SHARED_SAMPLE_TOKENS), sample([1, 2, 3], [6] * 9)]
+    assert not sharing_pays(long, True)
+    masks = []
+
+    def forward(batch: Any) -> torch.Tensor:
+        masks.append(batch.attention_mask)
+        return torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+
+    per_response_token(long, 4096, "cpu", forward, packed=True, shared=True)
+    assert masks == [None], "packed by position ids, no 4D mask"
