@@ -258,7 +258,7 @@ class JobDriver:
     async def _finish(self) -> Phase:
         """Stop issuing; let a periodic evaluation in flight finish; evaluate the final version
         once the engines serve it."""
-        for task in self._issuing[:1]:
+        for task in self._issuing[:1]:  # the issuer; the evaluator ends itself in evals.close
             task.cancel()
         await self.evals.close()
         for task in self._issuing:

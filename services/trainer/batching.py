@@ -412,6 +412,15 @@ def plan_samples(
     return [[[i for u in row for i in units[u]] for row in pack] for pack in plan]
 
 
+def plan_step(
+    samples: Sequence[TrainSample], token_budget: int, packed: bool, shared: bool
+) -> tuple[list[Pack], bool]:
+    """A step's micro-batches (``plan_samples``) and whether they share prompts: where asked for
+    and packed, for steps short enough (``sharing.sharing_pays``). Collate them with that flag."""
+    shared = packed and sharing_pays(samples, shared)
+    return plan_samples(samples, token_budget, packed, shared), shared
+
+
 def per_response_token(
     samples: Sequence[TrainSample],
     token_budget: int,
@@ -424,8 +433,8 @@ def per_response_token(
     tokens: samples laid out by ``plan_samples`` and run a micro-batch at a time."""
     found: dict[int, list[float]] = {}
     unweighted = [0.0] * len(samples)
-    shared = sharing_pays(samples, shared)
-    for pack in plan_samples(samples, token_budget, packed, shared):
+    packs, shared = plan_step(samples, token_budget, packed, shared)
+    for pack in packs:
         batch = collate_pack(samples, unweighted, pack, device, shared)
         values = forward(batch).detach().float().cpu()
         indices = [i for row in pack for i in row]

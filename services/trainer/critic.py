@@ -31,8 +31,7 @@ from services.trainer.batching import (
     TrainSample,
     collate_pack,
     per_response_token,
-    plan_samples,
-    sharing_pays,
+    plan_step,
 )
 from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
@@ -142,8 +141,8 @@ class Critic:
         loss = clipped = 0.0
         tokens = 0
         budget = self.spec.trainer.micro_batch_tokens
-        shared = sharing_pays(samples, self.shared)
-        for pack in plan_samples(samples, budget, self.packed, shared):
+        packs, shared = plan_step(samples, budget, self.packed, self.shared)
+        for pack in packs:
             batch = collate_pack(samples, weights, pack, self.device, shared)
             result = value_loss(
                 ValueLossInputs(

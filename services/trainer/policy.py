@@ -29,8 +29,7 @@ from services.trainer.batching import (
     TrainSample,
     collate_pack,
     per_response_token,
-    plan_samples,
-    sharing_pays,
+    plan_step,
     token_logprobs,
 )
 from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE, TRAINING_STATE_TAG
@@ -283,10 +282,10 @@ class Policy:
         self.tokenizer = tokenizer
         self.spec = spec
         self.packed = packed
+        """Several samples per row (trainer.packing, and the model keeps them apart)."""
         self.shared = shared
         """The samples of one prompt share it in their row (trainer.share_prompts, and the model
         honours the mask)."""
-        """Several samples per row (trainer.packing, and the model keeps them apart)."""
         self.zero_stage = zero_stage(spec.trainer)
         self.device = torch.device(engine.device)
         self.loss_fn = POLICY_LOSSES.get(spec.algorithm.policy_loss).fn
@@ -377,10 +376,8 @@ class Policy:
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
         # With several ranks each runs its share of the packs (services/trainer/distributed.py).
-        shared = sharing_pays(samples, self.shared)
-        packs = distributed.share_of(
-            plan_samples(samples, self.spec.trainer.micro_batch_tokens, self.packed, shared)
-        )
+        plan, shared = plan_step(samples, self.spec.trainer.micro_batch_tokens, self.packed, self.shared)
+        packs = distributed.share_of(plan)
         self.engine.train()
         totals = Totals()
         for index, (pack, real) in enumerate(packs):
