@@ -36,6 +36,9 @@ from services.rollout.watcher import Heartbeat, LoadReport, WeightLoader, Weight
 
 log = logging.getLogger(__name__)
 
+WATCHER_EXIT_S = 10.0
+"""How long an engine that stops waits for its weight watcher (a blocking read at most)."""
+
 
 class MeteredWeightLoader(WeightLoader):
     """A WeightLoader whose loads (the watcher's and LoadWeights') are counted and timed."""
@@ -97,13 +100,19 @@ class EngineApp:
     async def run(self, stop: asyncio.Event) -> None:
         """Watch for weights and heartbeat until ``stop``; then leave the registry."""
         log.info("engine %s at %s on %s", self.engine_id, self.info.address, self.engine.describe())
-        watching = asyncio.create_task(self.watcher.run(stop))
+        # The watcher has a stop of its own, set however this ends: a cancellation that a Redis
+        # read swallows would otherwise leave it looping (its stop never set) and this waiting.
+        watcher_stop = asyncio.Event()
+        watching = asyncio.create_task(self.watcher.run(watcher_stop))
         try:
             await self.heartbeat.run(stop)  # returns after leaving the registry
         finally:
             self.engine.set_draining()
+            watcher_stop.set()
             watching.cancel()  # a load in flight is released when the engine closes
-            await asyncio.wait([watching])
+            _, late = await asyncio.wait([watching], timeout=WATCHER_EXIT_S)
+            if late:
+                log.warning("the weight watcher did not end within %.0fs", WATCHER_EXIT_S)
 
     async def close(self) -> None:
         """Stop the engine (unfinished requests end as ABORT) and leave its weight group."""
