@@ -53,7 +53,9 @@ HYPER_FLAGS = ("group_size", "prompts_per_step", "max_new_tokens", "learning_rat
 def hyper(args: argparse.Namespace, task: BenchTask, model_dir: Path) -> Hyper:
     """The race's hyper-parameters: the task's defaults, overridden by the flags that were given."""
     given = {name: getattr(args, name) for name in HYPER_FLAGS if getattr(args, name) is not None}
-    return Hyper(task=task.name, model_dir=str(model_dir), seed=args.seed, **{**task.hyper, **given})
+    return Hyper(
+        task=task.name, model_dir=str(model_dir), seed=args.seed, dtype=args.dtype, **{**task.hyper, **given}
+    )
 
 
 def run_trl(hp: Hyper, run_dir: Path, pair: int, threads: int) -> Run:
@@ -117,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         kind = float if name in ("learning_rate", "clip_low", "clip_high") else int
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help="both sides (the task's)")
     parser.add_argument("--seed", type=int, default=0, help="both sides (%(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both sides' compute precision (%(default)s)")  # fmt: skip
     parser.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (the task's)")
     parser.add_argument("--eval-max-new-tokens", type=int, help="greedy budget (the runs' max_new_tokens)")
     parser.add_argument(

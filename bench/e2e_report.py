@@ -74,7 +74,7 @@ def settings_lines(hp: Hyper, task: BenchTask, max_staleness: int, threads: int)
         f"- {hp.prompts_per_step} prompts x {hp.group_size} samples per step, max_new_tokens"
         f" {hp.max_new_tokens}, temperature {hp.temperature:g}, learning rate {hp.learning_rate:g}, clip"
         f" {hp.clip_low:g} / {hp.clip_high:g}, seed {hp.seed}, {hp.max_steps} steps, checkpoints evaluated"
-        f" every {hp.eval_every} steps",
+        f" every {hp.eval_every} steps, {hp.dtype}",
         f"- verst: algorithm.max_staleness {max_staleness}, the services' default threads; TRL:"
         f" torch threads {threads}, loss_type dapo (token mean over the step), one micro-batch per step",
     ]

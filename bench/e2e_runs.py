@@ -44,6 +44,9 @@ class Hyper:
     """Sampling temperature of the training rollouts."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute precision of both sides: float32, or bfloat16 matmuls over float32 weights (verst's
+    trainer.autocast; TRL's bf16 mixed precision, its default)."""
 
     @property
     def samples_per_step(self) -> int:

@@ -59,10 +59,10 @@ def trl_config(hp: Hyper, output_dir: Path) -> dict[str, Any]:
         "scale_rewards": "group",
         "shuffle_dataset": False,
         "use_cpu": True,
-        "bf16": False,
+        "bf16": hp.dtype == "bfloat16",
         "fp16": False,
         "activation_checkpointing": False,  # TRL turns it on by default
-        "model_init_kwargs": {"dtype": "float32"},
+        "model_init_kwargs": {"dtype": "float32"},  # master weights; bf16 autocasts the compute
         "report_to": "none",
         "logging_steps": hp.eval_every,
         "save_strategy": "no",

@@ -74,6 +74,7 @@ def job_spec(hp: Hyper, task: BenchTask, checkpoint_dir: Path, *, max_staleness:
             "max_grad_norm": hp.max_grad_norm,
             "ppo_epochs": 1,
             "mini_batches": 1,
+            "autocast": "bfloat16" if hp.dtype == "bfloat16" else "off",
             "checkpoint_dir": str(checkpoint_dir),
         },
         "eval": {"at_start": False, "every_steps": 0},

@@ -59,7 +59,9 @@ ROWS = (
 JOB_POLL_S = 0.5
 
 
-def run_job(task_name: str, steps: int, env: dict[str, str], work: Path) -> tuple[list[bytes], str]:
+def run_job(
+    task_name: str, steps: int, env: dict[str, str], work: Path, dtype: str = "float32", staleness: int = 1
+) -> tuple[list[bytes], str]:
     """One job on a fresh stack; its metrics stream entries and final state."""
     import redis
     import yaml
@@ -72,10 +74,10 @@ def run_job(task_name: str, steps: int, env: dict[str, str], work: Path) -> tupl
     from services.stack import Stack, StackConfig
 
     task = get_bench_task(task_name)
-    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=0,
+    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=0, dtype=dtype,  # type: ignore[arg-type]
                **{**task.hyper, "max_steps": steps, "eval_every": steps})  # fmt: skip
     spec_path = work / "job.yaml"
-    spec_path.write_text(yaml.safe_dump(job_spec(hp, task, work / "checkpoints", max_staleness=1)))
+    spec_path.write_text(yaml.safe_dump(job_spec(hp, task, work / "checkpoints", max_staleness=staleness)))
     ports = ("api", "router", "engine", "reward", "trainer", "runner", "engine_metrics")
     keep = {"VERST_API_HOUSEKEEPING_S": "0"}  # the metrics stream is read whole after the job
     config = StackConfig(log_dir=work / "logs", extra_env=env | keep, **{f"{p}_port": 0 for p in ports})
@@ -131,13 +133,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip", type=int, default=3, help="first steps left out (%(default)s)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment of the services (repeatable)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the job's compute precision (bench/e2e.py's --dtype)")  # fmt: skip
+    parser.add_argument("--max-staleness", type=int, default=1, help="the job's algorithm.max_staleness (1)")
     parser.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
     parser.add_argument("--no-results", action="store_true", help="leave the results file alone")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     before = CpuSample.now("")
     with tempfile.TemporaryDirectory(prefix="verst-stages-") as scratch:
-        entries, state = run_job(args.task, args.steps, env, Path(scratch))
+        entries, state = run_job(args.task, args.steps, env, Path(scratch), args.dtype, args.max_staleness)
     load = CpuSample.now("").other_cores_since(before)
     medians, wall, counted = stage_medians(entries, args.skip)
     lines = table(medians, wall)

@@ -272,6 +272,9 @@ class TrainerConfig(Section):
     """With packing, compute a prompt once for all its samples (a GRPO group), each sample's
     response attending to it through a 4D mask: the same logits, fewer tokens (steps whose
     samples are all at most 512 tokens long)."""
+    autocast: Literal["off", "bfloat16", "float16"] = "off"
+    """Mixed precision: the forward's matmuls in this dtype (torch.autocast), the weights, optimiser
+    and LM head in float32 (needs model.dtype float32); off: everything in model.dtype."""
     ppo_epochs: int = Field(1, ge=1, le=100)
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1, le=1024)
@@ -332,6 +335,15 @@ class JobSpec(Section):
     """Optimisation, DeepSpeed and checkpoints."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation schedule."""
+
+    @model_validator(mode="after")
+    def _autocast_keeps_float32_weights(self) -> JobSpec:
+        if self.trainer.autocast != "off" and self.model.dtype != "float32":
+            raise ValueError(
+                f"trainer.autocast {self.trainer.autocast!r} keeps the weights in float32: it needs"
+                f" model.dtype float32, not {self.model.dtype!r} (or set trainer.autocast off)"
+            )
+        return self
 
 
 class JobSpecError(ValueError):

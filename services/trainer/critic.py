@@ -35,12 +35,11 @@ from services.trainer.batching import (
 )
 from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
+from services.trainer.precision import AUTOCAST_DTYPES
 
 CRITIC_DIR = "critic"
 """The critic's directory inside a checkpoint."""
 HEAD_FILE = "value_head.safetensors"
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +106,11 @@ class Critic:
 
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:
-        dtype = DTYPES.get(self.spec.model.dtype)
-        enabled = dtype is not None and self.device.type == "cuda"
+        # trainer.autocast where it is set; else, on a GPU, the compute of a bf16/fp16 model.dtype
+        dtype = AUTOCAST_DTYPES.get(self.spec.trainer.autocast)
+        if dtype is None and self.device.type == "cuda":
+            dtype = AUTOCAST_DTYPES.get(self.spec.model.dtype)
+        enabled = dtype is not None
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=enabled):
             yield
 

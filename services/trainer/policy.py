@@ -45,6 +45,7 @@ from services.trainer.objective import (
     micro_batch_loss,
     optimiser_step_plan,
 )
+from services.trainer.precision import autocast, check_autocast, keep_head_in_float32
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +316,7 @@ class Policy:
         hf_logging.disable_progress_bar()  # one bar per save is noise in a service's log
         if spec.model.dtype == "float16" and device.type != "cuda":
             raise ValueError("model.dtype float16 needs a GPU; use float32 or bfloat16 on CPU")
+        check_autocast(spec.trainer.autocast, device)
         trainer = spec.trainer
         config = deepspeed_config(trainer, spec.model.dtype)
         try:
@@ -328,6 +330,8 @@ class Policy:
         model = loaded("model", model_dir, AutoModelForCausalLM, trust).float()
         packed = trainer.packing and packing_works(model, "policy")
         shared = packed and trainer.share_prompts and sharing_works(model, "policy")
+        if trainer.autocast != "off":
+            keep_head_in_float32(model)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -384,7 +388,8 @@ class Policy:
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
             batch = collate_pack(samples, [w * scale for w in weights], pack, self.device, shared)
             self.engine.set_gradient_accumulation_boundary(index == len(packs) - 1)
-            logits = self.engine(**batch.model_inputs()).logits
+            with autocast(self.spec.trainer.autocast, self.device):
+                logits = self.engine(**batch.model_inputs()).logits
             loss = micro_batch_loss(
                 logits, batch, algorithm, self.loss_fn, totals if real else Totals(), proximal
             )
@@ -412,7 +417,9 @@ class Policy:
         )
 
     def _token_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        return token_logprobs(self.engine(**batch.model_inputs()).logits, batch.input_ids)
+        with autocast(self.spec.trainer.autocast, self.device):
+            logits = self.engine(**batch.model_inputs()).logits
+        return token_logprobs(logits, batch.input_ids)
 
     def save(self, directory: Path) -> None:
         """The weights as an HF-loadable directory in the engine's dtype (the module's: DeepSpeed

@@ -19,6 +19,7 @@ import torch
 from services.common.config import JobSpec
 from services.trainer.batching import MicroBatch, TrainSample, per_response_token, token_logprobs
 from services.trainer.layout_checks import packing_works, sharing_works
+from services.trainer.precision import autocast, keep_head_in_float32
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ReferenceModel:
         )
         model.to(device).eval()
         model.requires_grad_(False)
+        if spec.trainer.autocast != "off":
+            keep_head_in_float32(model)
         log.info("reference model loaded from %s (%s)", model_dir, spec.model.dtype)
         packed = spec.trainer.packing and packing_works(model, "reference")
         shared = packed and spec.trainer.share_prompts and sharing_works(model, "reference")
@@ -58,7 +61,9 @@ class ReferenceModel:
         return per_response_token(samples, budget, self.device, self._logprobs, self.packed, self.shared)
 
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        return token_logprobs(self.model(**batch.model_inputs()).logits, batch.input_ids)
+        with autocast(self.spec.trainer.autocast, self.device):
+            logits = self.model(**batch.model_inputs()).logits
+        return token_logprobs(logits, batch.input_ids)
 
     def close(self) -> None:
         self.model = None
