@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model_dir = task.model_dir()
     hp = hyper(args, task, model_dir)
     args.eval_max_new_tokens = args.eval_max_new_tokens or hp.max_new_tokens
-    host = {**machine_info(), "trl": _version("trl"), "deepspeed": _version("deepspeed")}
+    host = {**machine_info(), "device, dtype": f"cpu, {hp.dtype}", "trl": _version("trl"),
+            "deepspeed": _version("deepspeed")}  # fmt: skip
     for key, value in host.items():
         print(f"{key:>13}: {value}")
     settings = settings_lines(hp, task, args.max_staleness, args.threads)
