@@ -47,9 +47,12 @@ def main(spec_path: Path) -> int:
           f"publish {total['publish_seconds']:.3f} (written beside the next step: "
           f"{total.get('publish_write_seconds', 0.0):.3f}), "
           f"durable {total['checkpoint_seconds']:.3f}")  # fmt: skip
+    worst = max(range(len(steps)), key=lambda i: steps[i]["saving_share"])
     print(f"saving share of the trainer's step time: {saving / total['step_seconds']:.4f} over the job, "
           f"per-step mean {statistics.fmean(s['saving_share'] for s in steps):.4f}, "
-          f"max {max(s['saving_share'] for s in steps):.4f}")  # fmt: skip
+          f"max {max(s['saving_share'] for s in steps):.4f} (step {worst + 1}: publish"
+          f" {steps[worst]['publish_seconds']:.4f} s, durable {steps[worst]['checkpoint_seconds']:.4f} s"
+          f" of {steps[worst]['step_seconds']:.4f} s)")  # fmt: skip
     span = datetime.fromisoformat(rows[-1]["time"]) - datetime.fromisoformat(rows[0]["time"])
     wall = span.total_seconds() / max(len(rows) - 1, 1)
     print(f"wall seconds per step (step 1 to the last): {wall:.3f}; saving per step "

@@ -44,6 +44,10 @@ Differences between the sides that the race does not remove:
   the CPU, verst's vary with the timing of its asynchronous services.
 - TRL writes the prompts with BOS spelled out as text, which its tokenizer turns into exactly the
   ids verst's prompt encoding gives (checked at every TRL start).
+- Precision (`--dtype`): in float32 both sides compute in float32. In bfloat16 verst runs
+  `trainer.autocast: bfloat16` with its LM head in float32 and its engines in float32; TRL runs
+  accelerate's bf16 autocast (`bf16=True`) over its whole forward, LM head included. Both keep float32
+  weights and AdamW state.
 """
 
 
