@@ -50,7 +50,7 @@ def main(spec_path: Path) -> int:
     worst = max(range(len(steps)), key=lambda i: steps[i]["saving_share"])
     print(f"saving share of the trainer's step time: {saving / total['step_seconds']:.4f} over the job, "
           f"per-step mean {statistics.fmean(s['saving_share'] for s in steps):.4f}, "
-          f"max {max(s['saving_share'] for s in steps):.4f} (step {worst + 1}: publish"
+          f"max {steps[worst]['saving_share']:.4f} (step {worst + 1}: publish"
           f" {steps[worst]['publish_seconds']:.4f} s, durable {steps[worst]['checkpoint_seconds']:.4f} s"
           f" of {steps[worst]['step_seconds']:.4f} s)")  # fmt: skip
     span = datetime.fromisoformat(rows[-1]["time"]) - datetime.fromisoformat(rows[0]["time"])

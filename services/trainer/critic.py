@@ -35,7 +35,7 @@ from services.trainer.batching import (
 )
 from services.trainer.layout_checks import packing_works, sharing_works
 from services.trainer.losses import ValueLossInputs, sample_token_weights, value_loss
-from services.trainer.precision import AUTOCAST_DTYPES
+from services.trainer.precision import AUTOCAST_DTYPES, autocast
 
 CRITIC_DIR = "critic"
 """The critic's directory inside a checkpoint."""
@@ -107,11 +107,10 @@ class Critic:
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:
         # trainer.autocast where it is set; else, on a GPU, the compute of a bf16/fp16 model.dtype
-        dtype = AUTOCAST_DTYPES.get(self.spec.trainer.autocast)
-        if dtype is None and self.device.type == "cuda":
-            dtype = AUTOCAST_DTYPES.get(self.spec.model.dtype)
-        enabled = dtype is not None
-        with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=enabled):
+        setting = self.spec.trainer.autocast
+        if setting == "off" and self.device.type == "cuda" and self.spec.model.dtype in AUTOCAST_DTYPES:
+            setting = self.spec.model.dtype
+        with autocast(setting, self.device):
             yield
 
     def _values(self, batch: MicroBatch) -> torch.Tensor:
