@@ -35,9 +35,12 @@ REDIS_RESTART_AT = 10
 """The Redis restart comes after this many kills."""
 REDIS_DOWN_S = 60.0
 """A whole minute without Redis: every service rides it out (VERST_REDIS_OUTAGE_S is 120 s)."""
-STEPS = 160
-"""Enough steps that the job outlasts the kills on a fast machine (100 did not, once)."""
-EVAL_EVERY = 20
+STEPS = 320
+"""Enough steps that the job outlasts the kills on a fast machine (100 did not, once; nor did
+160 once the loop took ~0.1 s a step: the job ended after 18 kills)."""
+EVAL_EVERY = 40
+"""Wide enough that an evaluation delayed by dead engines and the Redis outage still lands in
+its own interval (at 20 one was served late, together with the next one due, once)."""
 BATCH = 8 * 8  # prompts_per_step x group_size
 JOB_DEADLINE_S = 1200.0
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
