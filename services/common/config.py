@@ -272,6 +272,10 @@ class TrainerConfig(Section):
     """With packing, compute a prompt once for all its samples (a GRPO group), each sample's
     response attending to it through a 4D mask: the same logits, fewer tokens (steps whose
     samples are all at most 512 tokens long)."""
+    skip_zero_advantage: bool = True
+    """Leave out of forward and backward the samples with no nonzero advantage when the loss is the
+    policy loss alone (no KL loss, no entropy bonus): their gradient is exactly 0, and the step's
+    loss aggregation still counts them."""
     autocast: Literal["off", "bfloat16", "float16"] = "off"
     """Mixed precision: the forward's matmuls in this dtype (torch.autocast), the weights, optimiser
     and LM head in float32 (needs model.dtype float32); off: everything in model.dtype."""

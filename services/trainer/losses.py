@@ -47,9 +47,17 @@ class PolicyLossOutput:
 
 PolicyLossFn = Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]
 
-POLICY_LOSSES: Registry[Entry[PolicyLossFn]] = Registry(
-    Entry, kind="policy loss", field="algorithm.policy_loss"
-)
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoss(Entry[PolicyLossFn]):
+    """A policy loss and what the trainer may assume of it."""
+
+    vanishes_at_zero_advantage: bool = True
+    """A token whose advantage is 0 adds exactly 0 to the loss and its gradient, whatever its
+    ratio: the trainer may leave a sample with no nonzero advantage out of forward and backward."""
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(PolicyLoss, kind="policy loss", field="algorithm.policy_loss")
 """Every policy loss by the name ``algorithm.policy_loss`` uses."""
 
 

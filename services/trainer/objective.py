@@ -11,6 +11,12 @@ mini-batch gradient):
   folded it into the rewards already;
 - ``-entropy_coef`` x the policy's entropy.
 
+When the loss is the policy loss alone and that vanishes at a zero advantage, a sample with no
+nonzero advantage (a GRPO group whose rewards were all equal) adds exactly nothing to the
+gradient: ``samples_with_gradient`` leaves it out of forward and backward (``trainer.
+skip_zero_advantage``) while the aggregation weights still count it, so the step's gradient is
+the whole batch's. The per-token statistics are then over the samples trained on.
+
 Entropy and KL are measured on every micro-batch (without a gradient when their
 coefficient is 0), so they are logged whatever the configuration. So is the
 engine/trainer mismatch, KL(behaviour || trainer), from the training forward's own
@@ -30,9 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import AlgorithmConfig
-from services.trainer.batching import MicroBatch, token_logprobs
+from services.trainer.batching import MicroBatch, TrainSample, token_logprobs
 from services.trainer.critic import CriticStats
-from services.trainer.losses import PolicyLossFn, PolicyLossInputs
+from services.trainer.losses import POLICY_LOSSES, PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
     KL_ESTIMATORS,
     OFF_POLICY_CORRECTIONS,
@@ -55,6 +61,23 @@ def optimiser_step_plan(count: int, epochs: int, mini_batches: int, seed: int) -
             rng.shuffle(order)
         plan.extend(part for k in range(mini_batches) if (part := order[k::mini_batches]))
     return plan
+
+
+def samples_with_gradient(samples: Sequence[TrainSample], algorithm: AlgorithmConfig) -> list[int]:
+    """Indices of the samples whose loss can have a gradient: every sample, unless the objective is
+    the policy loss alone (no KL loss, no entropy bonus) and that vanishes at a zero advantage; then
+    those with a nonzero advantage, and at least the shortest sample, so that the optimiser still
+    steps on the (zero) gradient as it would have."""
+    every = list(range(len(samples)))
+    kl_loss_on = algorithm.kl_coef > 0 and not algorithm.kl_in_reward
+    if kl_loss_on or algorithm.entropy_coef > 0:
+        return every
+    if not POLICY_LOSSES.get(algorithm.policy_loss).vanishes_at_zero_advantage:
+        return every
+    kept = [i for i in every if any(a != 0.0 for a in samples[i].token_advantages())]
+    if kept or not samples:
+        return kept
+    return [min(every, key=lambda i: samples[i].length)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +109,10 @@ class Totals:
     loss_tokens: int = 0
     tokens: int = 0
     padded_tokens: int = 0
+    samples: int = 0
+    """Samples of the optimiser step, those left out included."""
+    skipped: int = 0
+    """Samples left out of forward and backward (``samples_with_gradient``)."""
 
 
 def _token_sum(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -188,6 +215,8 @@ class StepStats:
     importance_capped_fraction: float | None = None
     """Share of loss tokens whose behaviour weight was over its cap, when the training forward
     weighed them (ProximalFromForward); None when prepare.py did."""
+    zero_advantage_skipped: float = 0.0
+    """Share of the samples left out of forward and backward: no nonzero advantage, so no gradient."""
 
     @property
     def padding_waste(self) -> float:
@@ -200,6 +229,7 @@ class StepStats:
             for name in (
                 "loss", "policy_loss", "kl_loss", "entropy_loss", "clip_fraction", "approx_kl", "kl",
                 "entropy", "grad_norm", "learning_rate", "optimizer_steps", "padding_waste", "mismatch_kl",
+                "zero_advantage_skipped",
             )
         }  # fmt: skip
         if self.importance_capped_fraction is not None:
@@ -247,4 +277,5 @@ def combine(
         critic_grad_norm=sum(c.grad_norm for c in critic) / len(critic) if critic else 0.0,
         mismatch_kl=first.mismatch_kl / first.loss_tokens if first.loss_tokens else 0.0,
         importance_capped_fraction=sum(t.capped for t, _ in steps) / tokens if proximal else None,
+        zero_advantage_skipped=sum(t.skipped for t, _ in steps) / max(1, sum(t.samples for t, _ in steps)),
     )

@@ -44,6 +44,7 @@ from services.trainer.objective import (
     combine,
     micro_batch_loss,
     optimiser_step_plan,
+    samples_with_gradient,
 )
 from services.trainer.precision import autocast, check_autocast, keep_head_in_float32
 
@@ -379,11 +380,15 @@ class Policy:
         weights = sample_token_weights(
             [s.loss_tokens for s in samples], algorithm.loss_aggregation, self.spec.rollout.max_new_tokens
         )
+        count = len(samples)
+        if self.spec.trainer.skip_zero_advantage:  # weighed over all, trained on those with a gradient
+            kept = samples_with_gradient(samples, algorithm)
+            samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]
         # With several ranks each runs its share of the packs (services/trainer/distributed.py).
         plan, shared = plan_step(samples, self.spec.trainer.micro_batch_tokens, self.packed, self.shared)
         packs = distributed.share_of(plan)
         self.engine.train()
-        totals = Totals()
+        totals = Totals(samples=count, skipped=count - len(samples))
         for index, (pack, real) in enumerate(packs):
             scale = 1.0 if real else 0.0  # a padding pass only keeps the ranks' collectives in step
             batch = collate_pack(samples, [w * scale for w in weights], pack, self.device, shared)
