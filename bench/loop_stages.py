@@ -123,6 +123,10 @@ def table(medians: dict[tuple[str, str], float], wall: float) -> list[str]:
         value = medians.get((source, name))
         lines.append(f"| {what} | `{source}.{name}` | {'n/a' if value is None else f'{value:.4f}'} |")
     lines.append(f"| **wall seconds per step** | versions' metric times | **{wall:.4f}** |")
+    skipped = medians.get(("trainer", "zero_advantage_skipped"))
+    if skipped is not None:  # a share, not seconds: below the table
+        lines += ["", f"Samples left out of forward and backward (no nonzero advantage), median share "
+                  f"per step: {skipped:.3f} (`trainer.zero_advantage_skipped`)."]  # fmt: skip
     return lines
 
 
