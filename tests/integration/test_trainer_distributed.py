@@ -32,6 +32,8 @@ from tests.helpers import lineage_trained_ids, stream_messages
 from tests.integration.distributed_policy import fixed_batch
 from tests.integration.rollout_helpers import tiny_llama
 from tests.integration.test_trainer_resume import (
+    DEADLINE_S,
+    STARTUP_DEADLINE_S,
     checkpoint_ids,
     group,
     optimizer_steps,
@@ -316,7 +318,8 @@ async def test_the_trainer_service_runs_as_two_ranks_of_zero_3(
     try:
         await submit(bus, job_id, model_dir, runs, steps=2, zero_stage=3, checkpoint_every_steps=1)
         for version in (0, 1):
-            await wait_for_checkpoint(bus, job_id, version)
+            deadline_s = STARTUP_DEADLINE_S if version == 0 else DEADLINE_S
+            await wait_for_checkpoint(bus, job_id, version, deadline_s)
             await bus.publish_many(streams.trajectories, steps_groups(job_id, version))
         assert (await wait_for_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
         # The same job with one more step: both ranks resume v2, their optimiser partitions too.

@@ -26,6 +26,9 @@ from tests.helpers import eventually, lineage_trained_ids, stream_messages
 from tests.integration.rollout_helpers import tiny_llama
 
 DEADLINE_S = 45.0
+STARTUP_DEADLINE_S = 180.0
+"""For a trainer's first checkpoint: several ranks importing DeepSpeed and meeting over gloo take
+well over DEADLINE_S on a slow 2-core host."""
 TOKENIZER = build_char_tokenizer()
 
 
@@ -92,12 +95,14 @@ def group(job_id: str, group_id: str, version: int) -> list[common_pb2.Trajector
     return members
 
 
-async def wait_for_checkpoint(bus: Bus, job_id: str, version: int) -> common_pb2.CheckpointHandle:
+async def wait_for_checkpoint(
+    bus: Bus, job_id: str, version: int, timeout_s: float = DEADLINE_S
+) -> common_pb2.CheckpointHandle:
     async def newest() -> common_pb2.CheckpointHandle | None:
         handle = await bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
         return handle if handle is not None and handle.version >= version else None
 
-    return await eventually(newest, f"checkpoint v{version} of {job_id}", timeout_s=DEADLINE_S)
+    return await eventually(newest, f"checkpoint v{version} of {job_id}", timeout_s=timeout_s)
 
 
 async def wait_for_status(bus: Bus, job_id: str, nth: int = 1) -> common_pb2.JobStatus:
