@@ -17,6 +17,7 @@ The last line is ``e2e: task=<t> verst_s=<x> trl_s=<y> ratio=<trl/verst>``, medi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -37,7 +38,7 @@ from bench.e2e_report import (
     section_title,
     settings_lines,
 )
-from bench.e2e_runs import Hyper, Run, outcome, read_run, run_order, write_run
+from bench.e2e_runs import Hyper, Run, outcome, pair_seed, read_run, run_order, write_run
 from bench.e2e_tasks import BENCH_TASKS, BenchTask, get_bench_task
 from bench.e2e_trl import RUN_FILE, write_settings
 from bench.report import CpuSample, update_results
@@ -96,10 +97,12 @@ def race(args: argparse.Namespace, task: BenchTask, hp: Hyper, work: Path) -> li
         print(f"{side} run {pair} (waited {waited:.0f} s for a quiet machine) ...", flush=True)
         run_dir = work / f"{side}-{pair}"
         run_dir.mkdir(parents=True)
+        paired = dataclasses.replace(hp, seed=pair_seed(hp.seed, pair, args.seed_per_pair))
         if side == "verst":
-            run = run_verst(hp, task, run_dir, pair, max_staleness=args.max_staleness, env=env)
+            run = run_verst(paired, task, run_dir, pair, max_staleness=args.max_staleness, env=env)
         else:
-            run = run_trl(hp, run_dir, pair, args.threads)
+            run = run_trl(paired, run_dir, pair, args.threads)
+        run.seed = paired.seed
         evaluator.evaluate(run, Path(hp.model_dir), keep=args.keep_checkpoints)
         write_run(run, run_dir / RUN_FILE)
         runs.append(run)
@@ -119,6 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         kind = float if name in ("learning_rate", "clip_low", "clip_high") else int
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help="both sides (the task's)")
     parser.add_argument("--seed", type=int, default=0, help="both sides (%(default)s)")
+    parser.add_argument("--seed-per-pair", action="store_true",
+                        help="pair p trains both sides with seed + p - 1, so that each side's runs"
+                        " differ (TRL's repeat exactly under one seed) and their spread shows")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both sides' compute precision (%(default)s)")  # fmt: skip
     parser.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (the task's)")
@@ -168,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "deepspeed": _version("deepspeed")}  # fmt: skip
     for key, value in host.items():
         print(f"{key:>13}: {value}")
-    settings = settings_lines(hp, task, args.max_staleness, args.threads)
+    settings = settings_lines(hp, task, args.max_staleness, args.threads, args.seed_per_pair)
     print("\n".join(settings), flush=True)
     with tempfile.TemporaryDirectory(prefix="verst-e2e-") as scratch:
         work = args.work_dir or Path(scratch)

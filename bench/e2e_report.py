@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 from bench.e2e_runs import Hyper, Outcome, Run, median_of, seconds_to_target, steps_to_target
@@ -71,13 +72,16 @@ def run_line(run: Run, target: float) -> str:
     return ", ".join(parts) + (f"; {run.note}" if run.note else "")
 
 
-def settings_lines(hp: Hyper, task: BenchTask, max_staleness: int, threads: int) -> list[str]:
+def settings_lines(
+    hp: Hyper, task: BenchTask, max_staleness: int, threads: int, seed_per_pair: bool = False
+) -> list[str]:
+    seed = f"seed {hp.seed} + pair - 1 (both runs of a pair alike)" if seed_per_pair else f"seed {hp.seed}"
     return [
         f"- task {task.name} ({task.bound}-bound): base model {task.model} ({hp.model_dir}), prompts"
         f" {task.data}, reward: the task's scorer (verst verifier `{task.verifier}`)",
         f"- {hp.prompts_per_step} prompts x {hp.group_size} samples per step, max_new_tokens"
         f" {hp.max_new_tokens}, temperature {hp.temperature:g}, learning rate {hp.learning_rate:g}, clip"
-        f" {hp.clip_low:g} / {hp.clip_high:g}, seed {hp.seed}, {hp.max_steps} steps, checkpoints evaluated"
+        f" {hp.clip_low:g} / {hp.clip_high:g}, {seed}, {hp.max_steps} steps, checkpoints evaluated"
         f" every {hp.eval_every} steps, {hp.dtype}",
         f"- verst: algorithm.max_staleness {max_staleness}, the services' default threads; TRL:"
         f" torch threads {threads}, loss_type dapo (token mean over the step), one micro-batch per step",
@@ -102,13 +106,21 @@ def runs_table(runs: Sequence[Run], target: float) -> list[str]:
 
 
 def curves_table(runs: Sequence[Run]) -> list[str]:
-    """Held-out greedy accuracy per evaluated step, one column per run."""
+    """Held-out greedy accuracy per evaluated step, one column per run, then each side's mean over
+    its runs where it has more than one."""
     steps = sorted({p.step for run in runs for p in run.points})
     by_run = [{p.step: p.accuracy for p in run.points} for run in runs]
-    head = "| step | " + " | ".join(f"{run.side} {run.pair}" for run in runs) + " |"
-    rows = [head, "|---:|" + "---:|" * len(runs)]
+    sides = [side for side in ("verst", "trl") if sum(run.side == side for run in runs) > 1]
+    seeded = len({run.seed for run in runs}) > 1
+    names = [f"{run.side} {run.pair}" + (f" (seed {run.seed})" if seeded else "") for run in runs]
+    head = "| step | " + " | ".join([*names, *(f"{side} mean" for side in sides)]) + " |"
+    rows = [head, "|---:|" + "---:|" * (len(runs) + len(sides))]
     for step in steps:
         cells = [f"{acc[step]:.3f}" if acc.get(step) is not None else "" for acc in by_run]
+        for side in sides:
+            values = [acc[step] for run, acc in zip(runs, by_run, strict=True)
+                      if run.side == side and acc.get(step) is not None]  # fmt: skip
+            cells.append(f"{statistics.mean(values):.3f}" if values else "")
         rows.append(f"| {step} | " + " | ".join(cells) + " |")
     return rows
 

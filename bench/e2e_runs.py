@@ -87,6 +87,8 @@ class Run:
     wall_s: float = math.nan
     """Wall seconds of the whole run, start-up and evaluation included."""
     note: str = ""
+    seed: int | None = None
+    """The seed it trained with (Hyper.seed, or that plus the pair's offset under --seed-per-pair)."""
 
     @property
     def steps(self) -> int:
@@ -188,6 +190,12 @@ def outcome(task: str, target: float, runs: Sequence[Run]) -> Outcome:
         trl_s=median_seconds(trl, target),
         all_reached=all(r.reached(target) is not None for r in runs),
     )
+
+
+def pair_seed(base: int, pair: int, per_pair: bool) -> int:
+    """The seed of both runs of ``pair`` (numbered from 1): ``base``, or ``base + pair - 1`` when
+    each pair draws its own, so that a side's runs sample, order and initialise differently."""
+    return base + pair - 1 if per_pair else base
 
 
 def run_order(pairs: int) -> list[tuple[int, Side]]:

@@ -18,6 +18,7 @@ from bench.e2e_runs import (
     Run,
     median_of,
     outcome,
+    pair_seed,
     read_run,
     run_order,
     seconds_to_target,
@@ -98,6 +99,27 @@ def test_the_final_line() -> None:
 
 def test_runs_alternate_starting_with_verst() -> None:
     assert run_order(2) == [(1, "verst"), (1, "trl"), (2, "verst"), (2, "trl")]
+
+
+def test_each_pair_draws_its_own_seed_only_when_asked() -> None:
+    assert [pair_seed(7, pair, per_pair=True) for pair in (1, 2, 3)] == [7, 8, 9]
+    assert [pair_seed(7, pair, per_pair=False) for pair in (1, 2, 3)] == [7, 7, 7]
+
+
+def test_the_curves_end_with_each_sides_mean_and_name_the_seeds() -> None:
+    runs = [
+        run_of("verst", 1, [(0, 0, 0.25), (5, 2.0, 0.7)]),
+        run_of("trl", 1, [(0, 0, 0.25), (5, 4.0, 0.6)]),
+        run_of("verst", 2, [(0, 0, 0.25), (5, 2.0, 0.5)]),
+        run_of("trl", 2, [(0, 0, 0.25), (5, 4.0, 0.3)]),
+    ]
+    for run in runs:
+        run.seed = run.pair - 1
+    head, _, first, last = curves_table(runs)
+    assert head.startswith("| step | verst 1 (seed 0) | trl 1 (seed 0) | verst 2 (seed 1) |")
+    assert head.endswith("| verst mean | trl mean |")
+    assert first == "| 0 | 0.250 | 0.250 | 0.250 | 0.250 | 0.250 | 0.250 |"
+    assert last == "| 5 | 0.700 | 0.600 | 0.500 | 0.300 | 0.600 | 0.450 |"
 
 
 def test_run_json_round_trip(tmp_path: Path) -> None:
