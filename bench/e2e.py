@@ -10,6 +10,7 @@ evaluation are outside both clocks (see bench/e2e_report.py's DESCRIPTION).
 
     .venv/bin/python bench/e2e.py --task addition          # also rewrites its section of bench/RESULTS.md
     .venv/bin/python bench/e2e.py --pairs 1 --max-steps 30 --no-results
+    .venv/bin/python bench/e2e.py --task reverse --seed-per-pair   # a seed per pair: each side spreads
 
 The last line is ``e2e: task=<t> verst_s=<x> trl_s=<y> ratio=<trl/verst>``, medians over the runs.
 """

@@ -297,7 +297,7 @@ def machine_info() -> dict[str, str]:
         "?",
     )
     return {
-        "cpu": f"{model}, {os.cpu_count()} cores",
+        "cpu": f"{model}, {os.cpu_count()} cores, {matmul_isa(_cpuinfo('flags'))}",
         "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
@@ -306,6 +306,17 @@ def machine_info() -> dict[str, str]:
         "transformers": transformers.__version__,
         "device, dtype": "cpu, float32",
     }
+
+
+MATMUL_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The CPU features that set float32 and bfloat16 matmul speed: hosts of one model name differ."""
+
+
+def matmul_isa(flags: str) -> str:
+    """Which of MATMUL_ISA a /proc/cpuinfo flags line has, e.g. ``avx2 avx512f`` (or ``none of ...``)."""
+    have = set(flags.split())
+    found = [name for name in MATMUL_ISA if name in have]
+    return " ".join(found) if found else f"none of {' '.join(MATMUL_ISA)}"
 
 
 def _cpuinfo(key: str) -> str:

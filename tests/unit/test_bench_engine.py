@@ -22,3 +22,11 @@ def test_the_ratio_is_the_median_of_the_per_repeat_ratios() -> None:
     case.hf = timings(0.25, 0.5, 0.5, 0.5, 0.5)  # HF's slow minutes came earlier
     assert case.ratio_of_medians == pytest.approx(5.0)
     assert case.ratio == pytest.approx(2.5)
+
+
+def test_the_machine_line_names_the_matmul_features_the_host_has() -> None:
+    from bench.engine_sides import matmul_isa
+
+    assert matmul_isa("fpu sse2 avx2 fma avx512f avx512_bf16 avx512bw") == "avx2 avx512f avx512_bf16"
+    assert matmul_isa("fpu avx2 amx_bf16 amx_tile") == "avx2 amx_bf16"
+    assert matmul_isa("fpu sse2") == "none of avx2 avx512f avx512_bf16 amx_bf16"
