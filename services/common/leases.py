@@ -62,3 +62,22 @@ async def renew_every(
                 *(what, now - last, period_s),
             )
         failing, last = False, now
+
+
+async def stop_renewing(task: asyncio.Task[None], stop: asyncio.Event, period_s: float) -> None:
+    """Stop a ``renew_every`` loop started with ``stop``, and wait for it: its round in flight
+    ends within its bound (two periods). Not by cancelling first: on Python 3.11 a cancel that
+    lands as redis-py's ``asyncio.wait_for`` finishes a send is lost, and the loop would renew
+    forever. A loop still running past the bound is cancelled, and waited for a period more.
+    Re-raises the loop's own error."""
+    stop.set()
+    _, late = await asyncio.wait({task}, timeout=2 * period_s + 1.0)
+    if late:
+        log.warning("a renewal round outlived its bound of %.1fs; cancelling it", 2 * period_s)
+        task.cancel()
+        _, late = await asyncio.wait({task}, timeout=period_s + 1.0)
+        if late:
+            log.error("a renewal loop ignored its stop and its cancellation; leaving it")
+            return
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]

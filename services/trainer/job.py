@@ -13,7 +13,6 @@ consumed, and reclaims the unacked entries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -26,7 +25,7 @@ from services.common.bus import Bus, Delivery
 from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.jobs import TERMINAL_STATES, JobStore
-from services.common.leases import renew_every
+from services.common.leases import renew_every, stop_renewing
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
@@ -129,7 +128,8 @@ class JobRun:
 
     async def run(self) -> None:
         check_supported(self.spec)
-        keepalive = asyncio.create_task(self._keep_alive())
+        keepalive_stop = asyncio.Event()
+        keepalive = asyncio.create_task(self._keep_alive(keepalive_stop))
         try:
             async with self.model_lock:  # a SaveCheckpoint call meanwhile waits for v0
                 self._enter(trainer_pb2.TRAINER_STATE_LOADING)
@@ -161,9 +161,7 @@ class JobRun:
         finally:
             if self._reported is not None:
                 self._reported.cancel()  # an error ends the job: a report in flight goes with it
-            keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keepalive
+            await stop_renewing(keepalive, keepalive_stop, self.settings.keepalive_s)
             # On shutdown a step may still run in its thread; the process exit frees the memory.
             if not self.control.shutdown.is_set():
                 await asyncio.to_thread(self._close_models)
@@ -437,13 +435,16 @@ class JobRun:
 
     # -- keep-alive ------------------------------------------------------------------------
 
-    async def _keep_alive(self) -> None:
-        """Renew the claims on the job and the held trajectories every ``keepalive_s`` (leases.py),
-        so that no other trainer takes them while this one works; let the job go once another holds it."""
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Renew the claims on the job and the held trajectories every ``keepalive_s`` (leases.py)
+        until ``stop``, so that no other trainer takes them while this one works; let the job go
+        once another holds it."""
         try:
-            await renew_every(self.settings.keepalive_s, self._renew_claims, what=f"job {self.job_id}")
-        except JobStopped as stop:
-            self.control.stop(stop)
+            await renew_every(
+                self.settings.keepalive_s, self._renew_claims, what=f"job {self.job_id}", stop=stop
+            )
+        except JobStopped as stopped:
+            self.control.stop(stopped)
 
     async def _renew_claims(self) -> None:
         entry = self.submission_entry_id
