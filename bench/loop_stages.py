@@ -13,7 +13,10 @@ and the median over its steps (the first ``--skip`` left out: warm-up) of every 
   ``publish_seconds`` (the step's wait for the weights-only handle), ``publish_write_seconds``
   (writing it, beside the next step), ``checkpoint_seconds`` (durable saves);
 - rollout ``weight_sync_latency_s``: a handle published -> an engine serves it;
-- the wall seconds between consecutive versions.
+- the wall seconds between consecutive versions;
+- CPU seconds per step of each service process (psutil, sampled as the job's step advances):
+  on a machine whose cores the services share, the step cannot be shorter than their sum over
+  the cores.
 
     .venv/bin/python bench/loop_stages.py                 # also rewrites its section of bench/RESULTS.md
     .venv/bin/python bench/loop_stages.py --steps 30 --no-results
@@ -24,13 +27,16 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import os
 import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -59,10 +65,47 @@ ROWS = (
 JOB_POLL_S = 0.5
 
 
+@dataclass(frozen=True)
+class ServiceCpu:
+    """CPU seconds of each service process when the job had reached ``step``."""
+
+    step: int
+    seconds: dict[str, float]
+
+
+def service_cpu(stack: Any, step: int) -> ServiceCpu:
+    """``ServiceCpu`` of a running ``services.stack.Stack``."""
+    import psutil
+
+    seconds = {}
+    for child in stack.children:
+        if child.process is None:
+            continue
+        try:
+            times = psutil.Process(child.process.pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seconds[child.name] = times.user + times.system
+    return ServiceCpu(step, seconds)
+
+
+def cpu_per_step(samples: Sequence[ServiceCpu], skip: int, steps: int) -> tuple[dict[str, float], int]:
+    """CPU seconds per step of each service between the first sample past step ``skip`` and the
+    last before the final step (whose evaluation and checkpoint are no step's); how many steps."""
+    counted = [sample for sample in samples if skip < sample.step < steps]
+    if len(counted) < 2 or counted[-1].step == counted[0].step:
+        return {}, 0
+    first, last = counted[0], counted[-1]
+    span = last.step - first.step
+    per_step = {name: (value - first.seconds.get(name, 0.0)) / span for name, value in last.seconds.items()}
+    return dict(sorted(per_step.items(), key=lambda item: -item[1])), span
+
+
 def run_job(
     task_name: str, steps: int, env: dict[str, str], work: Path, dtype: str = "float32", staleness: int = 1
-) -> tuple[list[bytes], str]:
-    """One job on a fresh stack; its metrics stream entries and final state."""
+) -> tuple[list[bytes], str, list[ServiceCpu]]:
+    """One job on a fresh stack; its metrics stream entries, final state and the services' CPU
+    seconds at each poll."""
     import redis
     import yaml
 
@@ -83,17 +126,19 @@ def run_job(
     config = StackConfig(log_dir=work / "logs", extra_env=env | keep, **{f"{p}_port": 0 for p in ports})
     with Stack(config) as stack:
         job_id = submit(stack.api_url, spec_path)["job_id"]
-        job: dict[str, str] = {"state": ""}
+        job: dict[str, Any] = {"state": ""}
+        cpu: list[ServiceCpu] = []
         while job["state"] not in TERMINAL_STATES:
             time.sleep(JOB_POLL_S)
             stack.check_alive()
             job = get_job(stack.api_url, job_id)
+            cpu.append(service_cpu(stack, int(job.get("step") or 0)))
         client = redis.Redis.from_url(stack.redis_url)
         try:
             entries = [fields[b"d"] for _, fields in client.xrange(JobStreams(job_id).metrics)]
         finally:
             client.close()
-    return entries, job["state"]
+    return entries, job["state"], cpu
 
 
 def stage_medians(entries: list[bytes], skip: int) -> tuple[dict[tuple[str, str], float], float, int]:
@@ -130,6 +175,17 @@ def table(medians: dict[tuple[str, str], float], wall: float) -> list[str]:
     return lines
 
 
+def cpu_lines(per_step: dict[str, float], span: int) -> list[str]:
+    """The services' CPU seconds per step, and their sum over this machine's cores."""
+    if not per_step:
+        return []
+    cores = os.cpu_count() or 1
+    total = sum(per_step.values())
+    shares = ", ".join(f"{name} {seconds:.3f}" for name, seconds in per_step.items())
+    return ["", f"CPU seconds per step by service ({span} steps): {shares}; in all {total:.3f}, "
+            f"so on {cores} cores at least {total / cores:.3f} s per step."]  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--task", default="addition", help="a bench/e2e_tasks.py task (%(default)s)")
@@ -146,10 +202,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     env = dict(item.split("=", 1) for item in args.env)
     before = CpuSample.now("")
     with tempfile.TemporaryDirectory(prefix="verst-stages-") as scratch:
-        entries, state = run_job(args.task, args.steps, env, Path(scratch), args.dtype, args.max_staleness)
+        job = run_job(args.task, args.steps, env, Path(scratch), args.dtype, args.max_staleness)
+    entries, state, cpu = job
     load = CpuSample.now("").other_cores_since(before)
     medians, wall, counted = stage_medians(entries, args.skip)
-    lines = table(medians, wall)
+    lines = table(medians, wall) + cpu_lines(*cpu_per_step(cpu, args.skip, args.steps))
     print("\n".join(lines))
     print(f"job {state}; {counted} steps counted; other processes kept {load:.2f} cores busy")
     if not args.no_results:
