@@ -79,5 +79,5 @@ async def stop_renewing(task: asyncio.Task[None], stop: asyncio.Event, period_s:
         if late:
             log.error("a renewal loop ignored its stop and its cancellation; leaving it")
             return
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()  # type: ignore[misc]
+    if not task.cancelled():
+        task.result()  # the loop's own error, if it ended with one
