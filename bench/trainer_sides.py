@@ -124,9 +124,11 @@ def rl_batch(
     spec: JobSpec,
     tokenizer_dir: Path,
     seed: int,
+    lengths: Sequence[int] | None = None,
 ) -> list[TrainSample]:
     """``shape.groups`` groups of ``group_size`` sampled-looking responses to ``prompts``, prepared
-    by the trainer's own ``prepare`` (old logprobs, GRPO advantages) at version 0."""
+    by the trainer's own ``prepare`` (old logprobs, GRPO advantages) at version 0; response
+    lengths ``lengths`` (one per sample) or else ``response_lengths``'s long tail."""
     if len(prompts) < shape.groups:
         raise ValueError(f"{shape.groups} groups need as many prompts; there are {len(prompts)}")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -134,11 +136,13 @@ def rl_batch(
     specials = set(tokenizer.all_special_ids)
     ordinary = [i for i in range(vocab) if i not in specials]
     rng = random.Random(seed)
-    lengths = iter(response_lengths(shape, rng))
+    if lengths is not None and len(lengths) != shape.samples:
+        raise ValueError(f"{len(lengths)} response lengths for {shape.samples} samples")
+    remaining = iter(lengths if lengths is not None else response_lengths(shape, rng))
     drafts = []
     for g in range(shape.groups):
         for _ in range(shape.group_size):
-            length = next(lengths)
+            length = next(remaining)
             response = [rng.choice(ordinary) for _ in range(length)]
             if length < shape.max_new_tokens:  # it stopped by itself; else it ran out of budget
                 response[-1] = eos
