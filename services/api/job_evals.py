@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from services.api.config import ApiSettings
@@ -23,6 +24,23 @@ from services.common.jobs import JobStore
 from services.tasks import PromptExample
 
 log = logging.getLogger(__name__)
+
+DUE_VERSION = "due_version"
+"""The value of an evaluation's metric row that names the version whose due it was made for."""
+
+
+def dues_without_result(
+    evaluated: Iterable[tuple[int, float | None]], dues: Iterable[int], every: int
+) -> list[int]:
+    """The ``dues`` no evaluation covers. ``evaluated``: (version evaluated, the due it was made
+    for, or None in rows written before dues were recorded). An evaluation made for due ``u`` of
+    version ``v`` (v >= u: engines may have moved on) covers every due from ``u`` to ``v``, so one
+    evaluation may serve two dues; a row without its due covers the due of its own interval."""
+    spans = [
+        (int(due), version) if due is not None else (version - version % every, version)
+        for version, due in evaluated
+    ]
+    return [d for d in dues if not any(low <= d <= high for low, high in spans)]
 
 
 class JobEvals:
@@ -61,19 +79,22 @@ class JobEvals:
         every = self.spec.eval.every_steps
         if not every or not self.examples:
             return
-        self.done |= {row.step for row in await store.history(self.job_id, source="eval")}
-        for version in range(every, min(latest, self.spec.trainer.steps - 1) + 1, every):
-            if not any(version <= done < version + every for done in self.done):
-                log.info(
-                    "%s: the evaluation due at version %d left no result; making it now", self.job_id, version
-                )
-                self.due(version)
+        rows = await store.history(self.job_id, source="eval")
+        self.done |= {row.step for row in rows}
+        dues = range(every, min(latest, self.spec.trainer.steps - 1) + 1, every)
+        for version in dues_without_result([(r.step, r.values.get(DUE_VERSION)) for r in rows], dues, every):
+            log.info(
+                "%s: the evaluation due at version %d left no result; making it now", self.job_id, version
+            )
+            self.due(version)
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Evaluate the versions that come due, one at a time, until ``stopping`` or ``close``."""
         while not (stopping.is_set() or self._closing):
             version = await self._due.get()
-            if version not in self.done and not self._closing:
+            if version in self.done:
+                self._covered(version, version)
+            elif not self._closing:
                 self._running = asyncio.ensure_future(self.evaluate(version))
                 try:
                     await self._running
@@ -96,6 +117,14 @@ class JobEvals:
                     self.job_id, version,
                 )  # fmt: skip
 
+    def _covered(self, due: int, version: int) -> None:
+        """The evaluation due at ``due`` is that of ``version``, made already (for an earlier due,
+        when the engines had moved on by the time it ran), which covers it too."""
+        self.metrics.evaluations.labels(outcome="covered").inc()
+        log.info(
+            "%s: the evaluation due at version %d is version %d's, made already", self.job_id, due, version
+        )
+
     async def evaluate(self, version: int) -> str:
         """Evaluate the policy once an engine serves ``version``; returns an error text or ""."""
         settings = self.settings
@@ -111,6 +140,7 @@ class JobEvals:
         try:
             served = await evaluator.wait_for_version(version, settings.eval_engine_timeout_s)
             if served in self.done:
+                self._covered(version, served)
                 return ""
             result = await evaluator.evaluate(version, self.examples, self.tokenizer)
         except EvalError as err:
@@ -121,8 +151,9 @@ class JobEvals:
             self.metrics.evaluation_retries.inc(evaluator.retries)
         self.done.add(result.version)
         self.metrics.evaluations.labels(outcome="ok").inc()
+        values = result.metric_values() | {DUE_VERSION: float(version)}
         await self.bus.publish_metric(
-            self.job_id, "eval", result.metric_values(), step=result.version, policy_version=result.version
+            self.job_id, "eval", values, step=result.version, policy_version=result.version
         )
         log.info("%s: eval of version %d: accuracy %.3f", self.job_id, result.version, result.accuracy)
         return ""

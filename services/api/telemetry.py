@@ -59,7 +59,8 @@ class ApiMetrics:
         )
         self.evaluations = Counter(
             "verst_controller_evaluations",
-            "Evaluations by outcome (ok; failed: lost after every attempt; missed: due when training ended).",
+            "Evaluations by outcome (ok; covered: due, of a version already evaluated; failed: lost after"
+            " every attempt; missed: due when training ended).",
             ["outcome"],
             registry=self.registry,
         )

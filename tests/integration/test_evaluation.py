@@ -14,6 +14,7 @@ import pytest
 
 from services.api.controller import Controller
 from services.api.evaluation import EvalError, Evaluator
+from services.api.job_evals import DUE_VERSION, dues_without_result
 from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.grpc_client import channel
@@ -173,6 +174,35 @@ async def test_an_evaluation_running_when_training_ends_finishes_before_the_fina
     router.delay_s, router.version = 0.0, 4
     await trainer.wait_for_state(SUCCEEDED)
     assert (await eval_points(trainer.store, trainer.job_id)).keys() == {2, 4}
+
+
+async def test_one_evaluation_of_a_newer_version_serves_two_dues_and_names_the_first(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,  # noqa: F811  (fixtures)
+    controllers: Controllers,  # noqa: F811
+) -> None:
+    """The engines lag the trainer (killed, or Redis was down): the evaluations due at 2 and 4
+    both wait, and once an engine serves version 4 one evaluation of it covers both dues."""
+    router = services[0]
+    spec_eval = {"at_start": False, "every_steps": 2, "num_prompts": 12}
+    _, trainer = await submit(bus, tokenizer_dir, router, trainer={"steps": 6}, eval=spec_eval)
+    controller = await controllers.start()
+    for version in range(5):
+        await trainer.publish_version(version)
+    await trainer.wait_for_prompts(12)  # batches up to 5 out: the driver saw every handle
+    assert await eval_points(trainer.store, trainer.job_id) == {}, "no engine serves version 2 yet"
+
+    router.version = 4
+
+    async def covered() -> bool:
+        registry = controller.metrics.registry
+        return registry.get_sample_value("verst_controller_evaluations_total", {"outcome": "covered"}) == 1
+
+    await eventually(covered, "the due at 4 found version 4 evaluated")
+    rows = await trainer.store.history(trainer.job_id, source="eval")
+    assert [(row.step, row.values[DUE_VERSION]) for row in rows] == [(4, 2.0)]
+    assert dues_without_result([(row.step, row.values[DUE_VERSION]) for row in rows], [2, 4], 2) == []
 
 
 async def _evaluating_version_2(

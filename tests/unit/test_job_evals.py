@@ -1,0 +1,25 @@
+"""Which periodic evaluations are covered (services/api/job_evals.dues_without_result): an
+evaluation made for due u of version v covers the dues u..v; a row without its due, its interval."""
+
+from __future__ import annotations
+
+from services.api.job_evals import dues_without_result
+
+
+def test_an_evaluation_covers_the_dues_from_its_own_to_its_version() -> None:
+    # made for the due at 40 once the engines served 63: it covers 40 and 60, not 80
+    assert dues_without_result([(63, 40.0)], [40, 60, 80], 20) == [80]
+    # made for 40 of version 45: 60 still has none
+    assert dues_without_result([(45, 40.0)], [40, 60], 20) == [60]
+    assert dues_without_result([(45, 40.0), (61, 60.0)], [40, 60], 20) == []
+
+
+def test_a_row_without_its_due_covers_its_own_interval() -> None:
+    # rows written before dues were recorded: version 63 covers the due at 60 only
+    assert dues_without_result([(63, None)], [40, 60, 80], 20) == [40, 80]
+    assert dues_without_result([(40, None), (79, None)], [40, 60], 20) == []
+
+
+def test_no_evaluation_covers_no_due() -> None:
+    assert dues_without_result([], [2, 4], 2) == [2, 4]
+    assert dues_without_result([(4, 2.0)], [], 2) == []
