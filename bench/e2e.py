@@ -47,6 +47,8 @@ from bench.report import CpuSample, update_results
 REPO = Path(__file__).resolve().parent.parent
 TRL_TIMEOUT_S = 3600.0
 """Longest one TRL run may take, start-up included."""
+DISTRIBUTED_ENV = frozenset({"LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+"""A launcher's variables, which the TRL child must not inherit."""
 HYPER_FLAGS = ("group_size", "prompts_per_step", "max_new_tokens", "learning_rate", "clip_low", "clip_high",
                "max_steps", "eval_every")  # fmt: skip
 """Hyper fields that a flag of the same name overrides (default: the task's)."""
@@ -64,7 +66,9 @@ def run_trl(hp: Hyper, run_dir: Path, pair: int, threads: int) -> Run:
     """One TRL run in a child process (bench/e2e_trl.py); its log is RUN_DIR/trl.log."""
     write_settings(run_dir, hp, pair, threads)
     env = {
-        **os.environ,
+        # TRL runs alone: a torch.distributed rank of this process (bench/ceiling.py's trainer)
+        # would make accelerate look for a launcher's rendezvous
+        **{k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV},
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     started, before = time.monotonic(), CpuSample.now("")
