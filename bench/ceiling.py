@@ -265,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     trl, floors = measure(args)
     engine = statistics.median(f.engine_s for f in floors)
     trainer = statistics.median(f.trainer_s for f in floors)
-    floor_s = Floor(engine, trainer, 0, 0).step_s(args.cores)
+    samples = round(statistics.median(f.samples for f in floors))
+    tokens = round(statistics.median(f.response_tokens for f in floors))
+    floor_s = Floor(engine, trainer, samples, tokens).step_s(args.cores)
     trl_s = statistics.median(trl)
     print(f"TRL s/step: {', '.join(f'{s:.3f}' for s in trl)}")
     print(f"verst CPU s per step, medians: engine {engine:.3f}, trainer {trainer:.3f};"

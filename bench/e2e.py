@@ -66,8 +66,8 @@ def run_trl(hp: Hyper, run_dir: Path, pair: int, threads: int) -> Run:
     """One TRL run in a child process (bench/e2e_trl.py); its log is RUN_DIR/trl.log."""
     write_settings(run_dir, hp, pair, threads)
     env = {
-        # TRL runs alone: a torch.distributed rank of this process (bench/ceiling.py's trainer)
-        # would make accelerate look for a launcher's rendezvous
+        # TRL runs alone: the LOCAL_RANK that init_distributed sets for DeepSpeed in this process
+        # (bench/ceiling.py's trainer) would make accelerate look for a launcher's rendezvous
         **{k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV},
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
