@@ -27,12 +27,12 @@ import torch
 
 from bench.engine_models import MODELS
 from bench.engine_sides import CPU, sampling_configs
-from services.rollout.continuous import ContinuousBatch
-from services.rollout.decoder import SlotDecoder
 from services.rollout.engine_protocol import GenerationRequest
-from services.rollout.requests import Row, record_tokens
-from services.rollout.sampling import BatchSampler
-from services.rollout.torch_backend import load_model
+from services.rollout.torch.continuous import ContinuousBatch
+from services.rollout.torch.decoder import SlotDecoder
+from services.rollout.torch.model import load_model
+from services.rollout.torch.requests import Row, record_tokens
+from services.rollout.torch.sampler import BatchSampler
 
 
 class Finisher:

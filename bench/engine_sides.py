@@ -21,9 +21,9 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.engine import TorchEngine
 from services.rollout.engine_protocol import Completion, GenerationRequest
 from services.rollout.sampling import SamplingConfig
+from services.rollout.torch.engine import TorchEngine
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 
 CPU = torch.device("cpu")
@@ -128,7 +128,7 @@ class HfSide:
         # The engine's ignore_eos: without an EOS id, generate stops at max_new_tokens only.
         self.model.generation_config.eos_token_id = None
         pad = self.model.config.pad_token_id
-        self.pad = int(pad) if pad is not None else 0  # the engine's rule (torch_backend.load_model)
+        self.pad = int(pad) if pad is not None else 0  # the engine's rule (rollout/torch/model.load_model)
 
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -122,7 +122,7 @@ def run_job(
     spec_path = work / "job.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(hp, task, work / "checkpoints", max_staleness=staleness)))
     ports = ("api", "router", "engine", "reward", "trainer", "runner", "engine_metrics")
-    keep = {"VERST_API_HOUSEKEEPING_S": "0"}  # the metrics stream is read whole after the job
+    keep = {"VERST_CONTROLLER_HOUSEKEEPING_S": "0"}  # the metrics stream is read whole after the job
     config = StackConfig(log_dir=work / "logs", extra_env=env | keep, **{f"{p}_port": 0 for p in ports})
     with Stack(config) as stack:
         job_id = submit(stack.api_url, spec_path)["job_id"]

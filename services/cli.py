@@ -30,7 +30,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack in order, like Ctrl-C
 
-    config = StackConfig(log_dir=Path(args.log_dir), redis_dir=Path(args.redis_dir), engines=args.engines)
+    config = StackConfig(
+        log_dir=Path(args.log_dir),
+        redis_dir=Path(args.redis_dir),
+        engines=args.engines,
+        separate_controller=args.separate_controller,
+    )
     stack = Stack(config)
     print(f"starting verst (logs in {config.log_dir}/) ...", flush=True)
     stack.start()
@@ -80,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--engines", type=int, default=1, help="rollout engines to start")
     up.add_argument("--log-dir", default=".verst/logs", help="one log file per service here")
     up.add_argument("--redis-dir", default=".verst/redis", help="embedded Redis persists here")
+    up.add_argument(
+        "--separate-controller",
+        action="store_true",
+        help="run the job controller as its own process (python -m services.controller), not in the api",
+    )
     up.set_defaults(run=cmd_up)
 
     sub = commands.add_parser("submit", help="submit a job spec (YAML) to the api")

@@ -1,7 +1,8 @@
 """The whole verst stack as local processes: what `verst up` and `verst demo` run.
 
 Redis (embedded unless REDIS_URL is set), then the reward service, the trainer,
-the rollout engines, the router, the runner and the api, each a child process
+the rollout engines, the router, the runner and the api (which runs the job controller, unless
+``separate_controller`` gives it a process of its own), each a child process
 with its log in one folder. Children die with the stack: on `stop()`, on
 Ctrl-C, and (Linux) when the `verst` process itself is killed.
 """
@@ -55,6 +56,10 @@ class StackConfig:
     reward_port: int = 50053
     trainer_port: int = 50054
     runner_port: int = 50055
+    separate_controller: bool = False
+    """Run the job controller as its own process instead of inside the api."""
+    controller_port: int = 50056
+    controller_metrics_port: int = 9466
     host: str = "127.0.0.1"
     extra_env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
@@ -149,11 +154,22 @@ class Stack:
                   {**base, "VERST_RUNNER_PORT": str(cfg.runner_port), "VERST_RUNNER_ROUTER_ADDRESS": router,
                    "VERST_RUNNER_REWARD_ADDRESS": reward},
                   ("grpc", f"{host}:{cfg.runner_port}")),
-            Child("api", [*py, "services.api"],
-                  {**base, "VERST_API_PORT": str(cfg.api_port), "VERST_API_ROUTER_ADDRESS": router,
-                   "VERST_API_REWARD_ADDRESS": reward},
-                  ("http", f"{self.api_url}/healthz")),
         ]  # fmt: skip
+        controller = {"VERST_CONTROLLER_ROUTER_ADDRESS": router, "VERST_CONTROLLER_REWARD_ADDRESS": reward}
+        api = {**base, "VERST_API_PORT": str(cfg.api_port), "VERST_API_ROUTER_ADDRESS": router,
+               "VERST_API_REWARD_ADDRESS": reward}  # fmt: skip
+        if cfg.separate_controller:
+            controller |= {
+                "VERST_CONTROLLER_PORT": str(cfg.controller_port),
+                "VERST_CONTROLLER_METRICS_PORT": str(cfg.controller_metrics_port),
+            }
+            address = f"{host}:{cfg.controller_port}"
+            children.append(Child("controller", [*py, "services.controller"], {**base, **controller},
+                                  ("grpc", address)))  # fmt: skip
+            api["VERST_API_CONTROLLER"] = "false"
+        else:
+            api |= controller
+        children.append(Child("api", [*py, "services.api"], api, ("http", f"{self.api_url}/healthz")))
         return children
 
     def _spawn(self, child: Child) -> None:

@@ -10,6 +10,7 @@ import uvicorn
 from services.api.config import ApiSettings
 from services.api.server import create_app
 from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.controller.config import ControllerSettings
 
 
 def _after_shutdown(signum: int, frame: FrameType | None) -> None:
@@ -22,10 +23,11 @@ if __name__ == "__main__":
     settings = load_settings(ApiSettings)
     setup_logging(settings.service_name, settings.log_level)
     require_redis_url(settings)  # exit now with a clear message rather than in the app's startup
+    controller = load_settings(ControllerSettings) if settings.controller else None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _after_shutdown)
     uvicorn.run(
-        create_app(settings, exit_when_unhealthy=True),
+        create_app(settings, exit_when_unhealthy=True, controller=controller),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

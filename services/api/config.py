@@ -1,4 +1,4 @@
-"""Settings of the REST api and its job controller (environment variables VERST_API_*)."""
+"""Settings of the REST api (environment variables VERST_API_*); the controller has its own."""
 
 from __future__ import annotations
 
@@ -19,11 +19,8 @@ class ApiSettings(RolloutClientSettings):
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port of the REST api; 0 picks a free one."""
     controller: bool = True
-    """Drive jobs from this process (off for an api replica that only serves REST)."""
-    poll_interval_s: float = Field(0.5, ge=0.05, le=60.0)
-    """How often the controller looks for new, cancelled and finished jobs."""
-    queue_timeout_s: float = Field(86_400.0, ge=1.0, le=30 * 86_400.0)
-    """How long a queued job may wait for its first checkpoint (v0) before it fails."""
+    """Run the job controller in this process (settings VERST_CONTROLLER_*); off where it runs as its
+    own process (`python -m services.controller`) or for an api replica that only serves REST."""
     request_connections: int = Field(32, ge=1, le=10_000)
     """Redis connections the request handlers may hold at once: a pool of their own, which the
     job drivers' blocking reads cannot use up."""
@@ -37,26 +34,6 @@ class ApiSettings(RolloutClientSettings):
     unhealthy_exit_s: float = Field(180.0, ge=0.0, le=86_400.0)
     """`python -m services.api` exits (status 3) for its supervisor once it has been unhealthy, or its
     event loop stuck, this long; longer than a Redis outage the services ride through; 0: never."""
-    stall_timeout_s: float = Field(600.0, ge=1.0, le=7 * 86_400.0)
-    """How long a running job may go without a new policy version before it fails."""
-    eval_engine_timeout_s: float = Field(300.0, ge=0.1, le=86_400.0)
-    """How long an evaluation waits for an engine to serve the version it evaluates."""
-    eval_concurrency: int = Field(16, ge=1, le=4096)
-    """Evaluation Generate calls in flight at once, per job."""
-    eval_attempts: int = Field(3, ge=1, le=20)
-    """Attempts of each evaluation call (Generate, ScoreBatch) whose engine, router or reward
-    service failed or went away; a retried Generate waits for an engine that serves the version."""
-    reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
-    """Controller stream entries left unacked this long by a dead api are taken over."""
-    repeated_failures: int = Field(16, ge=2, le=1_000_000)
-    """Dead letters of a job with one reason and no new policy version between them that fail the
-    job (at least one step's samples, prompts_per_step x group_size): a repeating failure ends it."""
-    housekeeping_s: float = Field(10.0, ge=0.0, le=86_400.0)
-    """How often the controller removes dead consumers from a running job's streams and trims the
-    entries every group has acked, and once more (with verst:jobs) when the job ends; 0: never."""
-    dead_consumer_s: float = Field(60.0, ge=1.0, le=30 * 86_400.0)
-    """A consumer holding no entries that has not read its stream for this long has died: it is
-    removed from its group (one that was only quiet comes back on its next read)."""
     list_limit: int = Field(1000, ge=1, le=100_000)
     """Most jobs one GET /v1/jobs returns."""
     max_body_bytes: int = Field(1_048_576, ge=1024, le=1_073_741_824)

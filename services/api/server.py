@@ -1,6 +1,6 @@
 """The REST api (FastAPI): submit, list, inspect and cancel jobs; health and Prometheus metrics.
 
-The job controller (services/api/controller.py) and the health monitor
+The job controller (services/controller/controller.py) and the health monitor
 (services/api/health.py) run as tasks of this process, started and stopped with
 the app's lifespan. The request handlers reach Redis through a pool of their own
 (``health.request_client``); the controller and its drivers through the bus's.
@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
 from services.api.config import ApiSettings
-from services.api.controller import Controller
 from services.api.guard import error_responses, guard
 from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
 from services.api.spec_checks import SpecChecker
@@ -30,7 +29,10 @@ from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, connect
 from services.common.config import JobSpec
 from services.common.jobs import CANCELLED, JobBrief, JobNotFoundError, JobRecord, JobStore, MetricRow
-from services.common.settings import require_redis_url
+from services.common.settings import load_settings, require_redis_url
+from services.controller.config import ControllerSettings
+from services.controller.controller import Controller
+from services.controller.telemetry import ControllerMetrics
 
 JobId = Annotated[str, Path(min_length=1, max_length=200, description="The job id, e.g. addition-1a2b3c4d.")]
 
@@ -151,9 +153,15 @@ class MetricHistory(View):
     """Oldest first."""
 
 
-def create_app(settings: ApiSettings, *, exit_when_unhealthy: bool = False) -> FastAPI:
+def create_app(
+    settings: ApiSettings,
+    *,
+    exit_when_unhealthy: bool = False,
+    controller: ControllerSettings | None = None,
+) -> FastAPI:
     """The api; with ``exit_when_unhealthy`` (``python -m services.api``) a watchdog ends the
-    process once it has been unhealthy for ``unhealthy_exit_s``."""
+    process once it has been unhealthy for ``unhealthy_exit_s``. With ``settings.controller`` it
+    runs the job controller, with ``controller`` settings or those of the environment."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -166,7 +174,8 @@ def create_app(settings: ApiSettings, *, exit_when_unhealthy: bool = False) -> F
         stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []
         if settings.controller:
-            app.state.controller = Controller(bus, JobStore(bus.redis), settings, app.state.metrics)
+            driving = controller or load_settings(ControllerSettings)
+            app.state.controller = Controller(bus, JobStore(bus.redis), driving, ControllerMetrics())
             tasks.append(asyncio.create_task(app.state.controller.run(stop), name="controller"))
         app.state.health = health = Health(requests, settings, app.state.controller)
         await health.check()
@@ -310,4 +319,6 @@ def _add_ops_routes(app: FastAPI, settings: ApiSettings) -> None:
         """Prometheus text: jobs by state, policy version and latest metrics of running jobs."""
         metrics: ApiMetrics = request.app.state.metrics
         await metrics.refresh(_store(request))
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        controller: Controller | None = request.app.state.controller
+        others = [controller.metrics.registry] if controller is not None else []
+        return Response(metrics.render(*others), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,5 +1,7 @@
 """Prometheus metrics of the api: jobs by state, and the latest metrics of running jobs.
 
+The controller's own metrics are services/controller/telemetry.py's.
+
 Job gauges are refreshed from the job store on a scrape, so they are right
 whichever api process drove the job, at most every ``refresh_every_s`` (the
 scrapes in between, and those that arrive during a refresh, get that reading):
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from services.common.jobs import RUNNING, JobStore
 
@@ -47,29 +49,6 @@ class ApiMetrics:
             ["job_id", "name"],
             registry=self.registry,
         )
-        self.prompts_issued = Counter(
-            "verst_controller_prompts_issued",
-            "PromptTasks published by this controller.",
-            registry=self.registry,
-        )
-        self.drivers = Gauge(
-            "verst_controller_drivers",
-            "Job drivers this controller runs (queued jobs whose trainer has not spoken have none).",
-            registry=self.registry,
-        )
-        self.evaluations = Counter(
-            "verst_controller_evaluations",
-            "Evaluations by outcome (ok; covered: due, of a version already evaluated; failed: lost after"
-            " every attempt; missed: due when training ended).",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.evaluation_retries = Counter(
-            "verst_controller_evaluation_retries",
-            "Evaluation calls (Generate, ScoreBatch) made again after their engine, router or "
-            "reward service failed.",
-            registry=self.registry,
-        )
 
     async def refresh(self, store: JobStore) -> None:
         """Reset the job gauges from the store, unless they were within ``refresh_every_s``."""
@@ -92,5 +71,6 @@ class ApiMetrics:
             for name, value in record.metrics.items():
                 self.job_metric.labels(job_id=record.job_id, name=name).set(value)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *others: CollectorRegistry) -> bytes:
+        """The exposition of this registry and ``others`` (the controller's, when it runs here)."""
+        return b"".join(generate_latest(registry) for registry in (self.registry, *others))

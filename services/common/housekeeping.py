@@ -8,7 +8,7 @@ consumer's pending entries would go with it). A live consumer removed while quie
 on its next read. ``Bus.trim_consumed`` deletes what every group has delivered and acked.
 
 One owner runs both: the controller, for each running job's streams every
-``VERST_API_HOUSEKEEPING_S``, and once more, with ``verst:jobs``, when the job ends.
+``VERST_CONTROLLER_HOUSEKEEPING_S``, and once more, with ``verst:jobs``, when the job ends.
 """
 
 from __future__ import annotations

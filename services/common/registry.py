@@ -15,15 +15,24 @@ subclass that adds the traits of its kind as fields with defaults::
     @ESTIMATORS.register("gae", needs_critic=True)
     def gae(inputs): ...
 
+A registry that is a plug-in point also takes a user's function by its dotted path:
+``resolve("mypkg.rows:read")`` imports it (plugins.py) and makes an entry with the traits the
+function declared with ``@plugins.traits``. ``register_lazy`` adds an entry whose function is
+imported on first use, so a registry can name an implementation whose module it must not import
+(torch, or a module that imports the registry's own).
+
 This module imports nothing heavy: the JobSpec's module may use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from services.common.plugins import PluginError, declared_traits, is_plugin_path, load_function
 
 F = TypeVar("F")
 E = TypeVar("E", bound="Entry[Any]")
@@ -54,55 +63,101 @@ class Registry(Generic[E]):
         self.traits = frozenset(f.name for f in dataclasses.fields(entry)) - {"name", "fn"}
         """The trait names its entries declare."""
         self._entries: dict[str, E] = {}
+        self._lazy: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._plugins: dict[str, E] = {}
 
     def register(self, name: str, **traits: Any) -> Callable[[Registered], Registered]:
         """A decorator that adds its function as ``name`` with ``traits``; the function is
         returned unchanged. A name registered twice or a trait the entry lacks is a ValueError."""
-        unknown = set(traits) - self.traits
-        if unknown:
-            raise ValueError(
-                f"{self.kind} {name!r}: unknown traits {sorted(unknown)} (known: {sorted(self.traits)})"
-            )
+        self._check_traits(name, traits)
 
         def add(fn: Registered) -> Registered:
-            if name in self._entries:
+            if name in self:  # a lazy entry not imported yet counts too
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             self._entries[name] = self.entry(name=name, fn=fn, **traits)
             return fn
 
         return add
 
+    def register_lazy(self, name: str, path: str, **traits: Any) -> None:
+        """Add ``name`` as the function ``module:function`` at ``path``, imported when first got."""
+        self._check_traits(name, traits)
+        if name in self._entries or name in self._lazy:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._lazy[name] = (path, traits)
+
     def get(self, name: str) -> E:
         """The entry ``name``; a ValueError naming the field and the available names otherwise."""
-        try:
-            return self._entries[name]
-        except KeyError:
-            available = ", ".join(self.names())
-            raise ValueError(
-                f"{self.field} {name!r} is not available in this {self.owner} (available: {available})"
-            ) from None
+        entry = self._entries.get(name)
+        if entry is not None:
+            return entry
+        if name in self._lazy:
+            path, traits = self._lazy.pop(name)
+            module_name, function = path.split(":")
+            fn = getattr(importlib.import_module(module_name), function)
+            self._entries[name] = entry = self.entry(name=name, fn=fn, **traits)
+            return entry
+        available = ", ".join(self.names())
+        raise ValueError(
+            f"{self.field} {name!r} is not available in this {self.owner} (available: {available})"
+        )
+
+    def resolve(self, name: str) -> E:
+        """A registered entry, or a user's function named ``module:function`` (imported once, with
+        the traits it declared); a ValueError (a ``PluginError`` for a path) saying why not."""
+        if not is_plugin_path(name):
+            return self.get(name)
+        entry = self._plugins.get(name)
+        if entry is None:
+            fn = load_function(name, what=f"{self.field} ({self.kind})")
+            declared = declared_traits(fn)
+            unknown = set(declared) - self.traits
+            if unknown:
+                raise PluginError(
+                    f"{self.field} {name!r} declares unknown traits {sorted(unknown)}"
+                    f" (a {self.kind} has: {sorted(self.traits)})"
+                )
+            self._plugins[name] = entry = self.entry(name=name, fn=fn, **declared)
+        return entry
+
+    def accepts(self, name: str) -> bool:
+        """Whether ``name`` is registered or has the form of a user's function (not imported)."""
+        return name in self or is_plugin_path(name)
 
     def names(self) -> tuple[str, ...]:
         """Every registered name, sorted."""
-        return tuple(sorted(self._entries))
+        return tuple(sorted([*self._entries, *self._lazy]))
+
+    def _check_traits(self, name: str, traits: dict[str, Any]) -> None:
+        unknown = set(traits) - self.traits
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r}: unknown traits {sorted(unknown)} (known: {sorted(self.traits)})"
+            )
 
     def where(self, **traits: Any) -> frozenset[str]:
         """The names of the entries whose traits have the given values (``where(needs_critic=True)``)."""
         unknown = set(traits) - self.traits
         if unknown:
             raise ValueError(f"{self.kind} entries have no traits {sorted(unknown)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self.entry)}
+        declared = {
+            name: {trait: getattr(entry, trait) for trait in self.traits}
+            for name, entry in self._entries.items()
+        }
+        declared |= {name: {**defaults, **lazy_traits} for name, (_, lazy_traits) in self._lazy.items()}
         return frozenset(
             name
-            for name, entry in self._entries.items()
-            if all(getattr(entry, trait) == value for trait, value in traits.items())
+            for name, values in declared.items()
+            if all(values[trait] == value for trait, value in traits.items())
         )
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._lazy
 
     def __iter__(self) -> Iterator[E]:
-        """The entries in registration order."""
-        return iter(self._entries.values())
+        """Every entry (a lazy one imported now), in registration order."""
+        return iter([self.get(name) for name in [*self._entries, *self._lazy]])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._lazy)

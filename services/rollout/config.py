@@ -58,8 +58,9 @@ class EngineSettings(ServiceSettings):
     """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
     metrics_enabled: bool = True
     """Serve /metrics (tokens/s, running requests, queue depth, TTFT, weight version)."""
-    backend: str = Field("torch", pattern=r"^(torch|sglang)$")
-    """Generation backend: torch (in this process) or sglang (SGLang servers over HTTP; CUDA hosts)."""
+    backend: str = Field("torch", max_length=256, pattern=r"^(\w+|[A-Za-z_][\w.]*:\w+)$")
+    """Generation backend (services/rollout/backends.py): torch (in this process), sglang (SGLang
+    servers over HTTP; CUDA hosts), or a backend of one's own as `module:function`."""
     weight_transport_distributed: bool = True
     """Take weights over the trainer's torch.distributed group when a handle offers it (torch
     backend; the trainer's VERST_TRAINER_WEIGHT_TRANSPORT=distributed); false: always the files."""

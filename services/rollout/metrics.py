@@ -8,14 +8,13 @@ Each engine has a registry of its own, so tests can run several in one process.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,7 +29,6 @@ RATE_WINDOW_S = 10.0
 """The tokens/s gauge averages over this many recent seconds."""
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SYNC_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-_CLOSE_TIMEOUT_S = 5.0
 """Longest wait for the HTTP server's thread to end at shutdown."""
 
 
@@ -185,47 +183,3 @@ class EngineMetrics:
             self.weight_sync_latency.observe(latency)
             self.last_weight_sync_latency.set(latency)
         return report
-
-
-class MetricsServer:
-    """``/metrics`` of one registry over HTTP, on prometheus_client's daemon thread."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
-        self.host = host
-        self.port = int(self._httpd.server_port)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(_CLOSE_TIMEOUT_S)
-
-
-@contextlib.contextmanager
-def serving_metrics(
-    metrics: EngineMetrics, host: str, port: int, enabled: bool
-) -> Iterator[MetricsServer | None]:
-    """Serve ``metrics`` on host:port (0: a free port) while the block runs; None when disabled.
-
-    A port in use raises OSError at once: the engine does not start with its metrics missing.
-    """
-    if not enabled:
-        log.info("metrics disabled")
-        yield None
-        return
-    try:
-        server = MetricsServer(metrics.registry, host, port)
-    except OSError as err:  # say which setting to change, not just "address already in use"
-        raise OSError(
-            err.errno, f"cannot serve metrics on {host}:{port} (VERST_ENGINE_METRICS_PORT): {err}"
-        ) from None
-    log.info("metrics at %s", server.url)
-    try:
-        yield server
-    finally:
-        server.close()

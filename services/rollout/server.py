@@ -1,5 +1,6 @@
 """The rollout engine process: ``verst.v1.Rollout`` over the backend ``VERST_ENGINE_BACKEND``
-names (torch: a TorchEngine in this process; sglang: SGLang servers).
+names in the registry of backends.py (torch: a TorchEngine in this process; sglang: SGLang
+servers; or a user's ``module:function``).
 
 ``python -m services.rollout`` runs ``main()``: the Rollout service, a watcher that loads the
 newest running job's checkpoints, and a heartbeat into the engine registry.
@@ -12,7 +13,6 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
 
 import grpc
 import redis.asyncio as aioredis
@@ -21,16 +21,15 @@ import torch
 from services.common.bus import connect
 from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
+from services.common.metrics_http import serving_metrics
 from services.common.pb import common_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.rollout.backends import ENGINE_BACKENDS
 from services.rollout.config import EngineSettings
-from services.rollout.engine import TorchEngine
 from services.rollout.engine_protocol import Engine
-from services.rollout.metrics import EngineMetrics, serving_metrics
+from services.rollout.metrics import EngineMetrics
 from services.rollout.servicer import SERVICE_NAME, EngineInfoSource, RolloutServicer
-from services.rollout.sglang.engine import open_sglang_engine
-from services.rollout.torch_backend import DTYPES, resolve_device
 from services.rollout.transport import DISTRIBUTED, FILESYSTEM, BroadcastReceiver
 from services.rollout.watcher import Heartbeat, LoadReport, WeightLoader, WeightWatcher
 
@@ -128,37 +127,21 @@ def receiver_for(settings: EngineSettings, engine: Engine, engine_id: str) -> Br
     return BroadcastReceiver(engine_id, settings.weight_transport_host)
 
 
-async def open_torch_engine(settings: EngineSettings) -> TorchEngine:
-    """A started TorchEngine with the settings' device, dtype and batching."""
-    engine = TorchEngine(
-        device=resolve_device(settings.device),
-        dtype=DTYPES[settings.dtype],
-        max_batch_size=settings.max_batch_size,
-        batch_wait_s=settings.batch_wait_ms / 1000.0,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        default_update_mode=settings.default_update_mode,
-        compile_decode=settings.compile_decode,
-    )
-    engine.start()
-    return engine
-
-
-ENGINE_BACKENDS: dict[str, Callable[[EngineSettings], Awaitable[Engine | None]]] = {
-    "torch": open_torch_engine,
-    "sglang": open_sglang_engine,
-}
-"""VERST_ENGINE_BACKEND -> how to start that Engine (None: stopped by a signal while starting)."""
-
-
 async def serve_engine(settings: EngineSettings) -> None:
     redis = connect(require_redis_url(settings), outage_s=settings.redis_outage_s)
     try:
-        engine = await ENGINE_BACKENDS[settings.backend](settings)
+        engine = await ENGINE_BACKENDS.resolve(settings.backend).fn(settings)
         if engine is None:
             return
         try:
             app = EngineApp(settings, redis, engine)
-            with serving_metrics(app.metrics, settings.host, settings.metrics_port, settings.metrics_enabled):
+            with serving_metrics(
+                app.metrics.registry,
+                settings.host,
+                settings.metrics_port,
+                settings.metrics_enabled,
+                setting="VERST_ENGINE_METRICS_PORT",
+            ):
                 await serve(settings, app.register, background=app.run)
         finally:
             await engine.close()
@@ -166,17 +149,10 @@ async def serve_engine(settings: EngineSettings) -> None:
         await redis.aclose()
 
 
-def main() -> None:
-    """``python -m services.rollout``."""
-    settings = load_settings(EngineSettings)
-    setup_logging(settings.service_name, settings.log_level)
-    if settings.backend == "sglang" and not (settings.sglang_urls.strip() or settings.sglang_model_path):
-        urls, path = EngineSettings.env_name("sglang_urls"), EngineSettings.env_name("sglang_model_path")
-        print(
-            f"{settings.service_name}: invalid setting {urls}: set it (attach) or {path} (launch)",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+def in_process_torch(settings: EngineSettings) -> None:
+    """Torch threads and device for a backend that runs the model here; exit on a bad device."""
+    from services.rollout.torch.model import resolve_device  # only a backend in this process needs it
+
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     try:
@@ -185,6 +161,23 @@ def main() -> None:
         name = EngineSettings.env_name("device")
         print(f"{settings.service_name}: invalid setting {name}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def main() -> None:
+    """``python -m services.rollout``."""
+    settings = load_settings(EngineSettings)
+    setup_logging(settings.service_name, settings.log_level)
+    try:
+        backend = ENGINE_BACKENDS.resolve(settings.backend)
+    except ValueError as err:  # an unknown name, or a module:function that does not import
+        print(f"{settings.service_name}: invalid setting VERST_ENGINE_BACKEND: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    problem = backend.check_settings(settings) if backend.check_settings else None
+    if problem:
+        print(f"{settings.service_name}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    if backend.in_process:
+        in_process_torch(settings)
     if settings.port == 0:  # the registry needs the real port before the server binds it
         settings = settings.model_copy(update={"port": free_port(settings.host)})
     asyncio.run(serve_engine(settings))

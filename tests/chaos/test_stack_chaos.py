@@ -18,10 +18,10 @@ import pytest
 import redis
 import yaml
 
-from services.api.job_evals import DUE_VERSION, dues_without_result
 from services.common.bus import DATA_FIELD
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
+from services.controller.evaluation import DUE_VERSION, dues_without_result
 from services.demo import job_history
 from services.stack import Stack, StackConfig
 from tests.helpers import lineage_trained_ids
@@ -176,9 +176,10 @@ def test_a_job_survives_twenty_sigkills_and_a_redis_restart(tmp_path: Path) -> N
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     runs = tmp_path / "runs"
     # Housekeeping off: the test reads every published trajectory after the job.
+    keep = {"VERST_CONTROLLER_HOUSEKEEPING_S": "0"}
     config = StackConfig(log_dir=tmp_path / "logs", redis_dir=tmp_path / "redis", api_port=0,
                          router_port=0, engine_port=0, reward_port=0, trainer_port=0, runner_port=0,
-                         engine_metrics_port=0, extra_env={"VERST_API_HOUSEKEEPING_S": "0"})  # fmt: skip
+                         engine_metrics_port=0, extra_env=keep)  # fmt: skip
     rng = random.Random(15)
     with Stack(config) as stack:
         reply = httpx.post(f"{stack.api_url}/v1/jobs", json=chaos_job(runs), timeout=30)

@@ -16,7 +16,7 @@ from services.common.settings import ServiceSettings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 DOCKERFILE = ROOT / "compose" / "Dockerfile"
-CONFIG_MODULES = ["api", "router", "reward", "trainer", "rollout", "runner"]
+CONFIG_MODULES = ["api", "controller", "router", "reward", "trainer", "rollout", "runner"]
 SHARED_ENV = {"REDIS_URL", "VERST_LOG_LEVEL"}
 
 
@@ -52,8 +52,10 @@ def env_names(cls: type[ServiceSettings]) -> set[str]:
     return {cls.env_name(field) for field in cls.model_fields}
 
 
-def test_the_six_services_and_redis_are_there() -> None:
-    assert set(compose()["services"]) == {"redis", "api", "router", "engine", "runner", "reward", "trainer"}
+def test_the_services_and_redis_are_there() -> None:
+    services = {"redis", "api", "controller", "router", "engine", "runner", "reward", "trainer"}
+    assert set(compose()["services"]) == services
+    assert compose()["services"]["api"]["environment"]["VERST_API_CONTROLLER"] == "false"  # one controller
 
 
 @pytest.mark.parametrize("name", sorted(app_services()))

@@ -85,7 +85,7 @@ def test_grpo_job_learns_end_to_end(tmp_path: Path, transport: str) -> None:
     config = StackConfig(log_dir=tmp_path / "logs", api_port=0, router_port=0, engine_port=0,
                          reward_port=0, trainer_port=0, runner_port=0, engine_metrics_port=0,
                          extra_env={"VERST_TRAINER_WEIGHT_TRANSPORT": transport,
-                                    "VERST_API_HOUSEKEEPING_S": "0"})  # fmt: skip
+                                    "VERST_CONTROLLER_HOUSEKEEPING_S": "0"})  # fmt: skip
     with Stack(config) as stack:
         response = httpx.post(f"{stack.api_url}/v1/jobs", json=short_job(checkpoints), timeout=30)
         assert response.status_code == 201, response.text

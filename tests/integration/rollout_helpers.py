@@ -19,7 +19,8 @@ from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.streams import JOB_INDEX, JobStreams, job_key
 from services.rollout.config import EngineSettings
-from services.rollout.server import EngineApp, open_torch_engine
+from services.rollout.server import EngineApp
+from services.rollout.torch.backend import open_torch_engine
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 from services.router.config import RouterSettings
 from services.router.server import Router

@@ -14,10 +14,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.decoder import SlotDecoder
-from services.rollout.engine import TorchEngine
 from services.rollout.engine_protocol import Completion, GenerationRequest
 from services.rollout.sampling import SamplingConfig
+from services.rollout.torch.decoder import SlotDecoder
+from services.rollout.torch.engine import TorchEngine
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 from services.trainer.batching import TrainSample, collate, token_logprobs
 
@@ -180,9 +180,9 @@ def test_weights_load_on_one_thread_and_the_worker_keeps_its_own(
     engine_for, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Torch work off the worker (reading a checkpoint) runs on one core, so that the worker's
-    OpenMP team stays the only one (see torch_backend.serial_torch); the worker keeps the
+    OpenMP team stays the only one (see torch/model.serial_torch); the worker keeps the
     thread count the engine was made with."""
-    import services.rollout.torch_backend as torch_backend
+    import services.rollout.torch.model as torch_backend
 
     threads_seen: dict[str, int] = {}
     for name in ("load_model", "read_verified_state_dict"):

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from services.api.config import ApiSettings
-from services.api.controller import Controller
-from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobStore
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, RUNNERS_GROUP, JobStreams
+from services.controller.config import ControllerSettings
+from services.controller.controller import Controller
+from services.controller.telemetry import ControllerMetrics
 from services.tasks import encode_prompt, eval_prompts
 from tests.helpers import eventually, stream_messages
 from tests.integration.fake_services import (
@@ -58,7 +58,7 @@ class Controllers:
         self.running: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = {}
 
     async def start(self, consumer: str = "", **overrides: Any) -> Controller:
-        settings = ApiSettings.model_validate(
+        settings = ControllerSettings.model_validate(
             {
                 "router_address": self.services[1],
                 "reward_address": self.services[3],
@@ -68,7 +68,9 @@ class Controllers:
                 **overrides,
             }
         )
-        controller = Controller(self.bus, JobStore(self.bus.redis), settings, ApiMetrics(), consumer=consumer)
+        controller = Controller(
+            self.bus, JobStore(self.bus.redis), settings, ControllerMetrics(), consumer=consumer
+        )
         stop = asyncio.Event()
         self.running[id(controller)] = (stop, asyncio.create_task(controller.run(stop)))
         return controller

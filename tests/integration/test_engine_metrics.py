@@ -16,9 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.bus import Bus
+from services.common.metrics_http import serving_metrics
 from services.common.pb import common_pb2, rollout_pb2
 from services.common.redis_server import free_port
-from services.rollout.metrics import RATE_WINDOW_S, EngineMetrics, TokenRate, serving_metrics
+from services.rollout.metrics import RATE_WINDOW_S, EngineMetrics, TokenRate
 from tests.helpers import eventually
 from tests.integration.rollout_helpers import (
     RunningEngine,
@@ -86,7 +87,7 @@ def test_token_rate_counts_only_the_recent_window() -> None:
 
 
 async def test_metrics_of_generation_and_weight_loads(engine: RunningEngine, tmp_path: Path) -> None:
-    with serving_metrics(engine.app.metrics, "127.0.0.1", 0, enabled=True) as server:
+    with serving_metrics(engine.app.metrics.registry, "127.0.0.1", 0, enabled=True) as server:
         assert server is not None
         before = await scrape(server.url)
         assert before["verst_engine_policy_version"] == 0
@@ -185,7 +186,7 @@ async def test_abort_mode_ends_requests_in_flight_on_a_weight_load(
 
 def test_disabled_metrics_serve_nothing_and_a_busy_port_is_named() -> None:
     metrics = EngineMetrics(lambda: pytest.fail("a disabled endpoint is never scraped"))
-    with serving_metrics(metrics, "127.0.0.1", 0, enabled=False) as server:
+    with serving_metrics(metrics.registry, "127.0.0.1", 0, enabled=False) as server:
         assert server is None
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -193,7 +194,9 @@ def test_disabled_metrics_serve_nothing_and_a_busy_port_is_named() -> None:
         port = taken.getsockname()[1]
         with (
             pytest.raises(OSError, match=f"127.0.0.1:{port} \\(VERST_ENGINE_METRICS_PORT\\)"),
-            serving_metrics(metrics, "127.0.0.1", port, enabled=True),
+            serving_metrics(
+                metrics.registry, "127.0.0.1", port, enabled=True, setting="VERST_ENGINE_METRICS_PORT"
+            ),
         ):
             pass
 

@@ -1,4 +1,4 @@
-"""Evaluations survive their engine or router dying mid-call (services/api/evaluation.py): each
+"""Evaluations survive their engine or router dying mid-call (services/controller/evaluation.py): each
 failed call is made again, within bounded attempts, and only when every attempt fails is the
 evaluation lost, with an error. Real gRPC servers stand in for the router and the reward service
 (tests/integration/fake_services.py)."""
@@ -12,15 +12,14 @@ from typing import Any
 import grpc
 import pytest
 
-from services.api.controller import Controller
-from services.api.evaluation import EvalError, Evaluator
-from services.api.job_evals import DUE_VERSION, dues_without_result
 from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.grpc_client import channel
 from services.common.jobs import SUCCEEDED
 from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 from services.common.redis_server import free_port
+from services.controller.controller import Controller
+from services.controller.evaluation import DUE_VERSION, EvalError, Evaluator, dues_without_result
 from services.tasks import PromptExample, eval_prompts
 from tests.helpers import eventually, serve
 from tests.integration.fake_services import FakeReward, FakeRouter

@@ -8,10 +8,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.common.pb import common_pb2
-from services.rollout.continuous import ContinuousBatch
 from services.rollout.engine_protocol import GenerationRequest
-from services.rollout.requests import LoadedModel, Row
 from services.rollout.sampling import SamplingConfig
+from services.rollout.torch.continuous import ContinuousBatch
+from services.rollout.torch.requests import LoadedModel, Row
 
 CPU = torch.device("cpu")
 

@@ -1,13 +1,13 @@
-"""How the controller reads a job's dead letters (services/api/dead_letters.py)."""
+"""How the controller reads a job's dead letters (services/controller/dead_letters.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.api.dead_letters import RepeatedFailures, failure_kind, failure_limit, replaces_work
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
+from services.controller.dead_letters import RepeatedFailures, failure_kind, failure_limit, replaces_work
 
 STREAMS = JobStreams("job-1")
 

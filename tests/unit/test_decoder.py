@@ -20,8 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from services.rollout.aot import AotStep
-from services.rollout.decoder import SlotDecoder, unsupported_reason
+from services.rollout.torch.aot import AotStep
+from services.rollout.torch.decoder import SlotDecoder, unsupported_reason
 
 SIZES = {
     "vocab_size": 90,

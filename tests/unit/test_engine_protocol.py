@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.engine import TorchEngine
 from services.rollout.engine_protocol import (
     Engine,
     EngineStatus,
@@ -26,6 +25,7 @@ from services.rollout.metrics import EngineMetrics
 from services.rollout.servicer import STATUS_CODES, EngineInfoSource, RolloutServicer, status_code
 from services.rollout.sglang.backend import SGLangBackend
 from services.rollout.sglang.engine import SGLangEngine
+from services.rollout.torch.engine import TorchEngine
 from services.rollout.watcher import WeightLoader
 from services.rollout.weights import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
 from tests.helpers import Aborted, FakeContext

@@ -3,7 +3,7 @@ evaluation made for due u of version v covers the dues u..v; a row without its d
 
 from __future__ import annotations
 
-from services.api.job_evals import dues_without_result
+from services.controller.evaluation import dues_without_result
 
 
 def test_an_evaluation_covers_the_dues_from_its_own_to_its_version() -> None:

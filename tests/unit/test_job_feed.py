@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from services.api import job_feed
-from services.api.job_feed import PromptFeed
 from services.common.config import parse_job_spec
+from services.controller import feed as job_feed
+from services.controller.feed import PromptFeed
 from services.tasks import DataError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.pacing import Issue, batch_limit, plan_issue
+from services.controller.pacing import Issue, batch_limit, plan_issue
 
 
 @pytest.mark.parametrize(

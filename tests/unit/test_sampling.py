@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from services.common.pb import common_pb2
-from services.rollout.sampling import BatchSampler, SamplingConfig, row_seed
+from services.rollout.sampling import SamplingConfig, row_seed
+from services.rollout.torch.sampler import BatchSampler
 
 CPU = torch.device("cpu")
 
@@ -115,7 +116,7 @@ def test_select_keeps_each_rows_settings() -> None:
 
 
 def test_the_inverted_cdf_lands_on_a_token_with_mass_at_both_ends() -> None:
-    from services.rollout.sampling import _invert_cdf
+    from services.rollout.torch.sampler import _invert_cdf
 
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.5, 0.0]])
     for u in (0.0, 1e-9, 0.2999, 0.3, 0.5, 0.999999, 1.0):  # 1.0 stands for a uniform rounded up

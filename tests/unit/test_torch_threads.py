@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.rollout.torch_backend import serial_torch
+from services.rollout.torch.model import serial_torch
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from services.rollout.aot import AotStep
-from services.rollout.sampling import sample_unfiltered
+from services.rollout.torch.aot import AotStep
+from services.rollout.torch.sampler import sample_unfiltered
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``Controller.run`` polls the job store every ``poll_interval_s``, in two round trips
 whatever the number of jobs (``JobStore.active_overview``: states, submit times, and
 whether each job's trainer has published a checkpoint or status yet). A QUEUED job
-costs nothing else: it gets a ``JobDriver`` (services/api/job_driver.py), with its
+costs nothing else: it gets a ``JobDriver`` (services/controller/driver.py), with its
 blocking stream reads, only once its trainer has spoken, and one that waits past
 ``queue_timeout_s`` fails here without ever getting one. Each RUNNING job that this
 process does not drive yet gets a driver, so jobs are picked up again after an api
@@ -18,14 +18,14 @@ import contextlib
 import logging
 import time
 
-from services.api.config import ApiSettings
-from services.api.job_driver import DriverDeps, JobDriver, queue_timeout_reason
-from services.api.stubs import ServiceStubs
-from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus
 from services.common.consumer import consumer_name
 from services.common.jobs import FAILED, QUEUED, ActiveJob, JobNotFoundError, JobStore
 from services.common.outage import RedisOutageError, wait_until_up
+from services.controller.config import ControllerSettings
+from services.controller.driver import DriverDeps, JobDriver, queue_timeout_reason
+from services.controller.stubs import ServiceStubs
+from services.controller.telemetry import ControllerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,13 @@ class Controller:
     """Starts, supervises and stops one JobDriver per unfinished job."""
 
     def __init__(
-        self, bus: Bus, store: JobStore, settings: ApiSettings, metrics: ApiMetrics, *, consumer: str = ""
+        self,
+        bus: Bus,
+        store: JobStore,
+        settings: ControllerSettings,
+        metrics: ControllerMetrics,
+        *,
+        consumer: str = "",
     ) -> None:
         self.bus = bus
         self.store = store

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.decoder import SlotDecoder
-from services.rollout.requests import LoadedModel, Row
-from services.rollout.sampling import BatchSampler
+from services.rollout.torch.decoder import SlotDecoder
+from services.rollout.torch.requests import LoadedModel, Row
+from services.rollout.torch.sampler import BatchSampler
 
 
 class ContinuousBatch:

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from services.rollout.requests import LoadedModel, Row, WeightUpdate, record_tokens
-from services.rollout.sampling import BatchSampler
+from services.rollout.torch.requests import LoadedModel, Row, WeightUpdate, record_tokens
+from services.rollout.torch.sampler import BatchSampler
 from services.rollout.weights import CheckpointError, read_config, read_verified_state_dict, verify_weights
 
 log = logging.getLogger(__name__)

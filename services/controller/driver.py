@@ -7,7 +7,7 @@
 - STARTING: read the job's prompts and tokenizer, mark the job RUNNING, and
   evaluate version 0 once an engine serves it (``eval.at_start``).
 - RUNNING: issue paced prompt batches and replacements for the groups the
-  trainer dropped (the rule is services/api/pacing.py); on every new version
+  trainer dropped (the rule is services/controller/pacing.py); on every new version
   update the job record, and evaluate every ``eval.every_steps`` versions; no
   new version within the stall timeout: FAILED.
 - FINISHING: the trainer reported SUCCEEDED: evaluate the final version, then
@@ -38,13 +38,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.api.config import ApiSettings
-from services.api.dead_letters import RepeatedFailures, failure_limit, replaces_work
-from services.api.job_evals import JobEvals
-from services.api.job_feed import PromptFeed
-from services.api.pacing import Issue, plan_issue
-from services.api.stubs import ServiceStubs
-from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, Delivery
 from services.common.consumer import StreamConsumer
 from services.common.housekeeping import tend_job, tidy_ended_job
@@ -60,6 +53,13 @@ from services.common.jobs import (
 from services.common.outage import RedisOutageError, calm_since, wait_until_up
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
+from services.controller.config import ControllerSettings
+from services.controller.dead_letters import RepeatedFailures, failure_limit, replaces_work
+from services.controller.evaluation import JobEvals
+from services.controller.feed import PromptFeed
+from services.controller.pacing import Issue, plan_issue
+from services.controller.stubs import ServiceStubs
+from services.controller.telemetry import ControllerMetrics
 from services.tasks import DataError, eval_prompts
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,8 @@ class DriverDeps:
     bus: Bus
     store: JobStore
     stubs: ServiceStubs
-    settings: ApiSettings
-    metrics: ApiMetrics
+    settings: ControllerSettings
+    metrics: ControllerMetrics
     consumer: str
     """Consumer name on the job streams (unique per process)."""
 

@@ -10,7 +10,7 @@ same-architecture weight update is copied into the live model between steps, so 
 carry the new policy version; a new architecture waits until the batch is empty.
 
 Models the slot decoder does not know (see ``decoder.unsupported_reason``) run on
-transformers' forward in static batches instead (``torch_backend.decode_batch``).
+transformers' forward in static batches instead (``model.decode_batch``).
 
 All mutable state is guarded by one condition variable. The asyncio side only enqueues,
 flags and reads; the model is touched by the worker thread alone.
@@ -27,8 +27,6 @@ from collections.abc import Iterable
 import torch
 
 from services.common.pb import common_pb2, rollout_pb2
-from services.rollout.continuous import ContinuousBatch
-from services.rollout.decoder import unsupported_reason
 from services.rollout.engine_protocol import (
     NO_WEIGHTS,
     EngineStatus,
@@ -39,8 +37,11 @@ from services.rollout.engine_protocol import (
     check_job,
     engine_state,
 )
-from services.rollout.engine_weights import EngineWeights
-from services.rollout.requests import (
+from services.rollout.torch.continuous import ContinuousBatch
+from services.rollout.torch.decoder import unsupported_reason
+from services.rollout.torch.engine_weights import EngineWeights
+from services.rollout.torch.model import decode_batch
+from services.rollout.torch.requests import (
     LiveRequests,
     LoadedModel,
     Row,
@@ -48,7 +49,6 @@ from services.rollout.requests import (
     record_tokens,
     validate_request,
 )
-from services.rollout.torch_backend import decode_batch
 
 log = logging.getLogger(__name__)
 

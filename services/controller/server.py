@@ -1,0 +1,43 @@
+"""The controller as its own process: drives every unfinished job, serves gRPC health and
+/metrics, and stops its drivers (leaving the jobs' states alone) on SIGTERM.
+
+Run one: two controllers would both drive every job. The api then runs with
+``VERST_API_CONTROLLER=false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.common.bus import Bus, connect
+from services.common.grpc_server import serve
+from services.common.jobs import JobStore
+from services.common.metrics_http import serving_metrics
+from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.controller.config import ControllerSettings
+from services.controller.controller import Controller
+from services.controller.telemetry import ControllerMetrics
+
+log = logging.getLogger(__name__)
+
+
+async def drive_jobs(settings: ControllerSettings, redis_url: str, stop: asyncio.Event) -> None:
+    """Run the controller until ``stop``, with its metrics served meanwhile."""
+    metrics = ControllerMetrics()
+    bus = Bus(connect(redis_url, outage_s=settings.redis_outage_s))
+    port_setting = ControllerSettings.env_name("metrics_port")
+    try:
+        with serving_metrics(
+            metrics.registry, settings.host, settings.metrics_port, enabled=True, setting=port_setting
+        ):
+            await Controller(bus, JobStore(bus.redis), settings, metrics).run(stop)
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    settings = load_settings(ControllerSettings)
+    setup_logging(settings.service_name, settings.log_level)
+    redis_url = require_redis_url(settings)
+    asyncio.run(serve(settings, background=lambda stop: drive_jobs(settings, redis_url, stop)))
