@@ -2,7 +2,7 @@
 
 A dead-lettered prompt task, or trajectory (unless the trainer reports its group dropped itself:
 ``DeadLetter.no_replacement``), stood for one prompt's worth of work. The controller counts it
-with the groups the trainer dropped (``JobStore.count_dropped``) and the issuer publishes one
+with the groups the trainer dropped (``JobStore.count_dropped``) and the feed publishes one
 replacement prompt for it, so the job still gets its full number of groups. The entry may be
 undecodable, so what is replaced is one prompt of the job's feed, not necessarily its prompt.
 

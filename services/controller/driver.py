@@ -1,4 +1,19 @@
-"""The flow of one job, as the controller drives it (design steps 4 and 7): a state machine.
+"""The RL loop of one job, as the controller drives it: read this file top-down.
+
+One trajectory's life, stage by stage (the services it crosses do the work in between)::
+
+    1. feed      this driver issues a paced batch of PromptTasks      -> verst:job:{id}:prompts
+    2. generate  a runner takes a task; engines sample its group       (runner -> router -> engines)
+    3. score     the reward service scores the group                   (runner -> reward)
+                 the runner publishes the scored trajectories          -> verst:job:{id}:trajectories
+    4. train     the trainer optimises on whole groups                 (trainer)
+    5. publish   the trainer publishes the new version's handle        -> verst:job:{id}:checkpoints
+                 engines load it; this driver lets out the next batch
+    6. evaluate  every eval.every_steps versions, held-out accuracy    (this driver -> router, reward)
+
+The class follows that order: the phases (``run``), then one section per stage with what this
+driver does there. Work lost on the way comes back to the feed: a task or trajectory that was
+dead-lettered (stages 2-3) and a group the trainer dropped (stage 4) each get one replacement.
 
 ``JobDriver.run`` advances the job through its phases, one at a time:
 
@@ -6,10 +21,9 @@
   checkpoints stream (or no v0 within the queue timeout: FAILED).
 - STARTING: read the job's prompts and tokenizer, mark the job RUNNING, and
   evaluate version 0 once an engine serves it (``eval.at_start``).
-- RUNNING: issue paced prompt batches and replacements for the groups the
-  trainer dropped (the rule is services/controller/pacing.py); on every new version
-  update the job record, and evaluate every ``eval.every_steps`` versions; no
-  new version within the stall timeout: FAILED.
+- RUNNING: feed paced prompt batches and replacements (the rule is pacing.py); on every new
+  version update the job record, and evaluate every ``eval.every_steps`` versions; no new
+  version within the stall timeout: FAILED.
 - FINISHING: the trainer reported SUCCEEDED: evaluate the final version, then
   the job is SUCCEEDED.
 - DONE: the job has its outcome.
@@ -17,13 +31,7 @@
 In any phase the trainer's FAILED (CANCELLED) status, or one failure repeated
 in the job's dead letters without a new version between them (dead_letters.py),
 ends the job FAILED (CANCELLED) with the reason, and ``stop`` ends the driver
-without touching the job's state.
-
-Followers of the job's streams run beside the phases: checkpoints, status,
-control (the trainer's TrainerSignals, such as GroupsDropped, counted durably
-in the job record), dead letters (a dead-lettered prompt task or trajectory is
-counted like a dropped group, and replaced), and metrics (merged into the job
-record as they arrive). Every loop checks a stop flag, because a cancellation
+without touching the job's state. Every loop checks a stop flag, because a cancellation
 can be lost inside redis-py on Python 3.11 (asyncio.wait_for).
 """
 
@@ -124,7 +132,7 @@ class JobDriver:
         self._halted = asyncio.Event()  # set by stop: nothing more is written, not the outcome either
         self._draining = False
         self._wake = asyncio.Event()
-        """Set when the issuer may have more to do: a new version, or dropped groups."""
+        """Set when the feed may have more to do: a new version, or lost groups."""
         self._dropped = record.dropped_groups
         """Work lost over the whole job (the record's dropped_groups): each gets a replacement."""
         self._failures = RepeatedFailures(failure_limit(self.settings.repeated_failures, self.spec))
@@ -132,13 +140,13 @@ class JobDriver:
         self._extra = record.issued_extra
         self._last_progress = time.monotonic()
         self._epoch = (0, 0)
+        """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
         self._version_at = 0.0
         """Unix seconds when the newest version's handle was published (its created_at)."""
-        """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
         self._helpers: list[asyncio.Future[None]] = []
-        """Followers, the watchdog, the issuer and the evaluator: a crash of one ends run."""
+        """Followers, the watchdog, the feed and the evaluator: a crash of one ends run."""
         self._issuing: list[asyncio.Future[None]] = []
-        """The issuer and the periodic evaluator, which run while the job is RUNNING."""
+        """The feed and the periodic evaluator, which run while the job is RUNNING."""
         self._metrics_task: asyncio.Future[None] = loop.create_future()
         """The metrics follower, which drains what is published when the driver winds down."""
 
@@ -147,16 +155,10 @@ class JobDriver:
         self._halted.set()
         self._conclude(None)
 
-    def _conclude(self, outcome: Outcome) -> None:
-        if not self._outcome.done():
-            self._outcome.set_result(outcome)
-
-    def _fail(self, reason: str) -> None:
-        self._conclude((FAILED, reason))
-
-    # -- the phases ------------------------------------------------------------------------------
+    # -- the phases: WAITING_FOR_V0 -> STARTING -> RUNNING -> FINISHING -> DONE ------------------
 
     async def run(self) -> None:
+        """Follow the job's streams, move through the phases to an outcome, then record it."""
         if self.resumed:
             handle = await self.deps.bus.latest(self.streams.checkpoints, common_pb2.CheckpointHandle)
             if handle is not None:
@@ -206,16 +208,6 @@ class JobDriver:
             return Phase.DONE
         return work.result()
 
-    async def _until(self, work: asyncio.Future[Any]) -> None:
-        """Wait for ``work`` or the job's outcome; re-raise the error of a helper that crashed."""
-        helpers = [self._metrics_task, *self._helpers]
-        waiting: set[asyncio.Future[Any]] = {self._outcome, work, *helpers}
-        while not (self._outcome.done() or work.done()):
-            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task in helpers and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-
     async def _wait_for_v0(self) -> Phase:
         await asyncio.wait([self._first_handle, self._trainer_done], return_when=asyncio.FIRST_COMPLETED)
         return Phase.STARTING if self._first_handle.done() else Phase.FINISHING
@@ -245,7 +237,7 @@ class JobDriver:
                 await self.evals.evaluate(handle.version)
         else:  # this driver's predecessor died: an evaluation it had due (or running) is not lost
             await self.evals.catch_up(self.store, self.latest_version)
-        self._issuing = [self._spawn(self._issue(feed)), self._spawn(self.evals.run(self._stopping))]
+        self._issuing = [self._spawn(self._feed(feed)), self._spawn(self.evals.run(self._stopping))]
         every_s, dead_s = self.settings.housekeeping_s, self.settings.dead_consumer_s
         self._spawn(tend_job(self.deps.bus, self.job_id, every_s, dead_s, self._stopping))
         self._last_progress = time.monotonic()
@@ -258,7 +250,7 @@ class JobDriver:
     async def _finish(self) -> Phase:
         """Stop issuing; let a periodic evaluation in flight finish; evaluate the final version
         once the engines serve it."""
-        for task in self._issuing[:1]:  # the issuer; the evaluator ends itself in evals.close
+        for task in self._issuing[:1]:  # the feed; the evaluator ends itself in evals.close
             task.cancel()
         await self.evals.close()
         for task in self._issuing:
@@ -273,170 +265,9 @@ class JobDriver:
         self._conclude((SUCCEEDED, reason))
         return Phase.DONE
 
-    def _spawn(self, work: Awaitable[None]) -> asyncio.Future[None]:
-        task = asyncio.ensure_future(work)
-        self._helpers.append(task)
-        return task
+    # -- 1. feed: paced prompt batches, and one replacement for each group lost ------------------
 
-    async def _wind_down(self) -> None:
-        """Stop the helpers; let the metrics follower record what is already published."""
-        self._stopping.set()
-        self._draining = True
-        for task in self._helpers:
-            task.cancel()
-        done, late = await asyncio.wait([self._metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
-        for task in done:  # retrieved: a crash is reported once (by _until), not again by the GC
-            _ = task.cancelled() or task.exception()
-        if late:
-            log.warning(
-                "%s: %d helper tasks still running after %.0fs", self.job_id, len(late), DRAIN_TIMEOUT_S
-            )
-
-    async def _watchdog(self) -> None:
-        """Fail a job that waits too long for v0, or whose trainer stops making versions."""
-        while not self._stopping.is_set():
-            await asyncio.sleep(self.settings.poll_interval_s)
-            if self.phase is Phase.WAITING_FOR_V0:
-                waited = time.time() - self.record.submitted_at
-                if waited > self.settings.queue_timeout_s:
-                    self._fail(queue_timeout_reason(waited))
-            elif self.phase is Phase.RUNNING:
-                idle = time.monotonic() - calm_since(self.deps.bus.redis, self._last_progress)
-                if idle > self.settings.stall_timeout_s:
-                    oldest = await self.deps.stubs.oldest_served_version(self.job_id)
-                    served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"
-                    self._fail(
-                        f"stalled: no new policy version for {idle:.0f}s after version {self.latest_version}"
-                        f" ({served}; {self._batches} batches issued)"
-                    )
-
-    # -- followers of the job's streams ----------------------------------------------------------
-
-    def _consumer(self, stream: str, message_type: type[Any], block_ms: int) -> StreamConsumer[Any]:
-        return StreamConsumer(
-            self.deps.bus,
-            stream,
-            GROUP,
-            self.deps.consumer,
-            message_type,
-            block_ms=block_ms,
-            reclaim_idle_ms=self.settings.reclaim_idle_ms,
-        )
-
-    async def _follow(
-        self, stream: str, message_type: type[Any], handle: Callable[[Delivery[Any]], Awaitable[bool]]
-    ) -> None:
-        """Hand each entry of ``stream`` to ``handle``, then ack those it returned True for."""
-        consumer = self._consumer(stream, message_type, 500)
-        while not self._stopping.is_set():
-            deliveries = await consumer.poll()
-            await consumer.ack([delivery for delivery in deliveries if await handle(delivery)])
-
-    async def _follow_checkpoints(self) -> None:
-        await self._follow(self.streams.checkpoints, common_pb2.CheckpointHandle, self._on_checkpoint)
-
-    async def _on_checkpoint(self, delivery: Delivery[common_pb2.CheckpointHandle]) -> bool:
-        handle = delivery.message
-        if not self._first_handle.done():
-            self._first_handle.set_result(handle)
-        if handle.epoch != self._epoch[0]:
-            self._epoch = (handle.epoch, handle.version)  # a resumed trainer: its versions start again
-        elif handle.version > self._epoch[1]:
-            self._epoch = (handle.epoch, handle.version)
-            self._progressed()  # a new version, also one reissued after a resume
-        if handle.version > self.latest_version:
-            self.latest_version = handle.version
-            self._version_at = handle.created_at.ToNanoseconds() / 1e9
-            self._progressed()
-            self._wake.set()
-            every = self.spec.eval.every_steps
-            if every and handle.version % every == 0 and handle.version < self.spec.trainer.steps:
-                self.evals.due(handle.version)
-        await self.store.update_progress(self.job_id, handle.version, handle.step)
-        return True
-
-    def _progressed(self) -> None:
-        self._last_progress = time.monotonic()
-        self._failures.progress()
-
-    async def _follow_status(self) -> None:
-        await self._follow(self.streams.status, common_pb2.JobStatus, self._on_status)
-
-    async def _on_status(self, delivery: Delivery[common_pb2.JobStatus]) -> bool:
-        status = delivery.message
-        if status.state == common_pb2.JOB_STATE_FAILED:
-            self._fail(f"trainer failed: {status.reason or 'no reason given'}")
-        elif status.state == common_pb2.JOB_STATE_CANCELLED:
-            self._conclude((CANCELLED, f"trainer stopped the job: {status.reason or 'no reason given'}"))
-        elif status.state == common_pb2.JOB_STATE_SUCCEEDED:
-            if not self._trainer_done.done():
-                self._trainer_done.set_result(status)
-        else:
-            log.warning("%s: ignoring trainer status %s", self.job_id, common_pb2.JobState.Name(status.state))
-        return True
-
-    async def _follow_control(self) -> None:
-        await self._follow(self.streams.control, common_pb2.TrainerSignal, self._on_signal)
-
-    async def _on_signal(self, delivery: Delivery[common_pb2.TrainerSignal]) -> bool:
-        """Count dropped groups in the job record; the store acks that entry with the count."""
-        signal = delivery.message
-        if signal.WhichOneof("signal") != "groups_dropped":
-            log.warning("%s: ignoring trainer signal %s", self.job_id, signal.WhichOneof("signal"))
-            return True
-        dropped = signal.groups_dropped
-        groups = dropped.stale + dropped.invalid + dropped.zero_variance
-        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, groups))
-        return False
-
-    def _count_lost(self, total: int) -> None:
-        """The job record's new count of lost work (dropped groups, dead letters): replace it."""
-        if total > self._dropped:
-            self._dropped = total
-            self._wake.set()
-
-    async def _follow_dead_letters(self) -> None:
-        await self._follow(self.streams.dead, common_pb2.DeadLetter, self._on_dead_letter)
-
-    async def _on_dead_letter(self, delivery: Delivery[common_pb2.DeadLetter]) -> bool:
-        """Count a dead-lettered prompt task or trajectory (the store acks that entry with the
-        count) so that it is replaced; fail the job when the same failure keeps coming."""
-        letter = delivery.message
-        log.warning("%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason)
-        repeated = self._failures.add(letter)
-        if repeated:
-            self._fail(repeated)
-            return True
-        if not replaces_work(letter, self.streams):
-            return True
-        dead = self.streams.dead
-        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, 1, stream=dead))
-        return False
-
-    async def _follow_metrics(self) -> None:
-        """Merge every Metric into the job record; once draining, until none is left."""
-        consumer = self._consumer(self.streams.metrics, common_pb2.Metric, 200)
-        drain_until = float("inf")
-        while time.monotonic() < drain_until:
-            deliveries = await consumer.poll()
-            for delivery in deliveries:
-                metric = delivery.message
-                await self.store.merge_metrics(
-                    self.job_id,
-                    dict(metric.values),
-                    step=metric.step,
-                    source=metric.source or "unknown",
-                    policy_version=metric.policy_version,
-                )
-            await consumer.ack(deliveries)
-            if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
-                drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
-                if not deliveries:
-                    return
-
-    # -- rollouts --------------------------------------------------------------------------------
-
-    async def _issue(self, feed: PromptFeed) -> None:
+    async def _feed(self, feed: PromptFeed) -> None:
         """Publish paced batches (up to trainer.steps of them) and replacements for dropped groups."""
         while not self._stopping.is_set():
             self._wake.clear()
@@ -483,3 +314,197 @@ class JobDriver:
                 self.job_id, "controller", lag, step=self.latest_version, policy_version=self.latest_version
             )
         log.info("%s: issued %s at version %d", self.job_id, what, self.latest_version)
+
+    # -- 2-3. generate and score happen in a runner: what it could not do comes back as a dead letter ---
+
+    async def _follow_dead_letters(self) -> None:
+        await self._follow(self.streams.dead, common_pb2.DeadLetter, self._on_dead_letter)
+
+    async def _on_dead_letter(self, delivery: Delivery[common_pb2.DeadLetter]) -> bool:
+        """Count a dead-lettered prompt task or trajectory (the store acks that entry with the
+        count) so that it is replaced; fail the job when the same failure keeps coming."""
+        letter = delivery.message
+        log.warning("%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason)
+        repeated = self._failures.add(letter)
+        if repeated:
+            self._fail(repeated)
+            return True
+        if not replaces_work(letter, self.streams):
+            return True
+        dead = self.streams.dead
+        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, 1, stream=dead))
+        return False
+
+    # -- 4. train happens in the trainer: it reports the groups it dropped -----------------------
+
+    async def _follow_control(self) -> None:
+        await self._follow(self.streams.control, common_pb2.TrainerSignal, self._on_signal)
+
+    async def _on_signal(self, delivery: Delivery[common_pb2.TrainerSignal]) -> bool:
+        """Count dropped groups in the job record; the store acks that entry with the count."""
+        signal = delivery.message
+        if signal.WhichOneof("signal") != "groups_dropped":
+            log.warning("%s: ignoring trainer signal %s", self.job_id, signal.WhichOneof("signal"))
+            return True
+        dropped = signal.groups_dropped
+        groups = dropped.stale + dropped.invalid + dropped.zero_variance
+        self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, groups))
+        return False
+
+    def _count_lost(self, total: int) -> None:
+        """The job record's new count of lost work (dropped groups, dead letters): replace it."""
+        if total > self._dropped:
+            self._dropped = total
+            self._wake.set()
+
+    # -- 5. publish: the trainer's new version lets the feed out and makes evaluations due -------
+
+    async def _follow_checkpoints(self) -> None:
+        await self._follow(self.streams.checkpoints, common_pb2.CheckpointHandle, self._on_checkpoint)
+
+    async def _on_checkpoint(self, delivery: Delivery[common_pb2.CheckpointHandle]) -> bool:
+        handle = delivery.message
+        if not self._first_handle.done():
+            self._first_handle.set_result(handle)
+        if handle.epoch != self._epoch[0]:
+            self._epoch = (handle.epoch, handle.version)  # a resumed trainer: its versions start again
+        elif handle.version > self._epoch[1]:
+            self._epoch = (handle.epoch, handle.version)
+            self._progressed()  # a new version, also one reissued after a resume
+        if handle.version > self.latest_version:
+            self.latest_version = handle.version
+            self._version_at = handle.created_at.ToNanoseconds() / 1e9
+            self._progressed()
+            self._wake.set()
+            self._schedule_evaluation(handle.version)
+        await self.store.update_progress(self.job_id, handle.version, handle.step)
+        return True
+
+    def _progressed(self) -> None:
+        self._last_progress = time.monotonic()
+        self._failures.progress()
+
+    # -- 6. evaluate -----------------------------------------------------------------------------
+
+    def _schedule_evaluation(self, version: int) -> None:
+        """Every ``eval.every_steps`` versions an evaluation is due; the evaluator (``evals.run``,
+        started with the feed) makes it once an engine serves that version, or a newer one. The
+        first and the final versions are evaluated by the phases (``_start``, ``_finish``)."""
+        every = self.spec.eval.every_steps
+        if every and version % every == 0 and version < self.spec.trainer.steps:
+            self.evals.due(version)
+
+    # -- the trainer's outcome, and the metrics of every stage -----------------------------------
+
+    async def _follow_status(self) -> None:
+        await self._follow(self.streams.status, common_pb2.JobStatus, self._on_status)
+
+    async def _on_status(self, delivery: Delivery[common_pb2.JobStatus]) -> bool:
+        status = delivery.message
+        if status.state == common_pb2.JOB_STATE_FAILED:
+            self._fail(f"trainer failed: {status.reason or 'no reason given'}")
+        elif status.state == common_pb2.JOB_STATE_CANCELLED:
+            self._conclude((CANCELLED, f"trainer stopped the job: {status.reason or 'no reason given'}"))
+        elif status.state == common_pb2.JOB_STATE_SUCCEEDED:
+            if not self._trainer_done.done():
+                self._trainer_done.set_result(status)
+        else:
+            log.warning("%s: ignoring trainer status %s", self.job_id, common_pb2.JobState.Name(status.state))
+        return True
+
+    async def _follow_metrics(self) -> None:
+        """Merge every Metric into the job record; once draining, until none is left."""
+        consumer = self._consumer(self.streams.metrics, common_pb2.Metric, 200)
+        drain_until = float("inf")
+        while time.monotonic() < drain_until:
+            deliveries = await consumer.poll()
+            for delivery in deliveries:
+                metric = delivery.message
+                await self.store.merge_metrics(
+                    self.job_id,
+                    dict(metric.values),
+                    step=metric.step,
+                    source=metric.source or "unknown",
+                    policy_version=metric.policy_version,
+                )
+            await consumer.ack(deliveries)
+            if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
+                drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
+                if not deliveries:
+                    return
+
+    # -- machinery: helpers, their supervision, the stall watchdog -------------------------------
+
+    def _conclude(self, outcome: Outcome) -> None:
+        if not self._outcome.done():
+            self._outcome.set_result(outcome)
+
+    def _fail(self, reason: str) -> None:
+        self._conclude((FAILED, reason))
+
+    def _spawn(self, work: Awaitable[None]) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(work)
+        self._helpers.append(task)
+        return task
+
+    async def _until(self, work: asyncio.Future[Any]) -> None:
+        """Wait for ``work`` or the job's outcome; re-raise the error of a helper that crashed."""
+        helpers = [self._metrics_task, *self._helpers]
+        waiting: set[asyncio.Future[Any]] = {self._outcome, work, *helpers}
+        while not (self._outcome.done() or work.done()):
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task in helpers and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+
+    async def _wind_down(self) -> None:
+        """Stop the helpers; let the metrics follower record what is already published."""
+        self._stopping.set()
+        self._draining = True
+        for task in self._helpers:
+            task.cancel()
+        done, late = await asyncio.wait([self._metrics_task, *self._helpers], timeout=DRAIN_TIMEOUT_S)
+        for task in done:  # retrieved: a crash is reported once (by _until), not again by the GC
+            _ = task.cancelled() or task.exception()
+        if late:
+            log.warning(
+                "%s: %d helper tasks still running after %.0fs", self.job_id, len(late), DRAIN_TIMEOUT_S
+            )
+
+    async def _watchdog(self) -> None:
+        """Fail a job that waits too long for v0, or whose trainer stops making versions."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.settings.poll_interval_s)
+            if self.phase is Phase.WAITING_FOR_V0:
+                waited = time.time() - self.record.submitted_at
+                if waited > self.settings.queue_timeout_s:
+                    self._fail(queue_timeout_reason(waited))
+            elif self.phase is Phase.RUNNING:
+                idle = time.monotonic() - calm_since(self.deps.bus.redis, self._last_progress)
+                if idle > self.settings.stall_timeout_s:
+                    oldest = await self.deps.stubs.oldest_served_version(self.job_id)
+                    served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"
+                    self._fail(
+                        f"stalled: no new policy version for {idle:.0f}s after version {self.latest_version}"
+                        f" ({served}; {self._batches} batches issued)"
+                    )
+
+    def _consumer(self, stream: str, message_type: type[Any], block_ms: int) -> StreamConsumer[Any]:
+        return StreamConsumer(
+            self.deps.bus,
+            stream,
+            GROUP,
+            self.deps.consumer,
+            message_type,
+            block_ms=block_ms,
+            reclaim_idle_ms=self.settings.reclaim_idle_ms,
+        )
+
+    async def _follow(
+        self, stream: str, message_type: type[Any], handle: Callable[[Delivery[Any]], Awaitable[bool]]
+    ) -> None:
+        """Hand each entry of ``stream`` to ``handle``, then ack those it returned True for."""
+        consumer = self._consumer(stream, message_type, 500)
+        while not self._stopping.is_set():
+            deliveries = await consumer.poll()
+            await consumer.ack([delivery for delivery in deliveries if await handle(delivery)])

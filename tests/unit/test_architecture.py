@@ -1,4 +1,5 @@
-"""The layout's rules, checked on the source: no import cycles, small files, one owner of the job store.
+"""The layout's rules, checked on the source: no import cycles, files sized by concept, one owner of
+the job store, and no service importing another service's modules.
 
 Imports are read with ``ast`` from every ``services/`` module, function-level and TYPE_CHECKING
 imports included: a cycle hidden inside a function is still a cycle.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,10 @@ from services.common.config import JobSpec
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "services"
 GENERATED = SERVICES / "common" / "pb"
-MAX_LINES = 500
+WARN_LINES = 600
+"""A file past this many lines gets a warning: is it still one concept?"""
+MAX_LINES = 800
+"""A file past this many lines fails: split it by concept."""
 JOB_STORE = SERVICES / "common" / "jobs.py"
 STREAM_NAMES = SERVICES / "common" / "streams.py"
 JOB_STORE_NAMES = frozenset({"job_key", "JOB_INDEX", "ACTIVE_JOBS", "job_history_key"})
@@ -109,23 +114,46 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_function_level_imports_are_read(tmp_path: Path) -> None:
-    path = SERVICES / "demo.py"
+    path = SERVICES / "rollout" / "server.py"  # in_process_torch imports the torch model inside
     names = set(imported_modules(path, {module_name(p) for p in source_files(SERVICES)}))
-    assert "services.tasks.basemodel" in names or "services.tasks" in names  # imported inside a function
+    assert "services.rollout.torch.model" in names
 
 
 def test_services_have_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
 
 
+def line_counts(folder: Path) -> dict[str, int]:
+    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in source_files(folder)}
+
+
 @pytest.mark.parametrize("folder", ["services", "tests", "bench"])
-def test_no_file_is_over_500_lines(folder: str) -> None:
-    long = {
-        str(path.relative_to(ROOT)): lines
-        for path in source_files(ROOT / folder)
-        if (lines := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert long == {}
+def test_files_are_sized_by_concept(folder: str) -> None:
+    """Past WARN_LINES a warning asks whether a file is still one concept; past MAX_LINES it fails."""
+    counts = line_counts(ROOT / folder)
+    for path, lines in sorted(counts.items()):
+        if WARN_LINES < lines <= MAX_LINES:
+            warnings.warn(f"{path} has {lines} lines: is it still one concept?", stacklevel=1)
+    assert {path: lines for path, lines in counts.items() if lines > MAX_LINES} == {}
+
+
+SERVICE_PACKAGES = ("api", "controller", "router", "rollout", "runner", "reward", "trainer")
+"""Each runs as its own process; shared code lives in common/, data/ and tasks/."""
+HOSTED = {("api", "controller")}
+"""The api runs the controller in its process unless VERST_API_CONTROLLER=false."""
+
+
+def test_no_service_imports_another() -> None:
+    crossing = sorted(
+        (here, there)
+        for here, imports in import_graph().items()
+        for there in imports
+        if (a := here.split(".")[1]) in SERVICE_PACKAGES
+        and (b := there.split(".")[1]) in SERVICE_PACKAGES
+        and a != b
+        and (a, b) not in HOSTED
+    )
+    assert crossing == []
 
 
 def names_used(path: Path) -> set[str]:

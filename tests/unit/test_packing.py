@@ -18,6 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from services.trainer.batching import (
+    SHARED_SAMPLE_TOKENS,
     TrainSample,
     collate,
     collate_pack,
@@ -25,10 +26,10 @@ from services.trainer.batching import (
     per_response_token,
     plan_micro_batches,
     plan_samples,
+    sharing_pays,
     token_logprobs,
 )
 from services.trainer.layout_checks import packing_works, packs_exactly, shares_exactly, sharing_works
-from services.trainer.sharing import SHARED_SAMPLE_TOKENS, sharing_pays
 from tests.unit.test_decoder import build as decoder_model
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from services.reward.sandbox import (
     ErrorKind,
+    OutputBudget,
+    OutputStream,
     RunResult,
     SandboxConfig,
     SandboxError,
@@ -23,7 +25,6 @@ from services.reward.sandbox import (
     SandboxLimits,
     process_uids,
 )
-from services.reward.sandbox_output import OutputBudget, OutputStream
 
 pytestmark = pytest.mark.timeout(60)
 
