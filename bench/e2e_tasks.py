@@ -125,7 +125,7 @@ tokens) and the compute-bound ``reverse`` (5.1M parameters, answers of 8-16 toke
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """A prompt's token ids as every verst component encodes them (BOS, then the text's tokens)."""
-    from services.tasks import encode_prompt as encode
+    from services.data import encode_prompt as encode
 
     return encode(tokenizer, text)
 

@@ -22,7 +22,8 @@ from typing import Any
 import filelock
 import torch
 
-from services.tasks import encode_prompt, ensure_builtin_model, get_task
+from services.data import encode_prompt
+from services.tasks import ensure_builtin_model, get_task
 from services.tasks.models import default_cache_dir
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"

@@ -30,8 +30,8 @@ import yaml
 from bench.e2e_tasks import BENCH_TASKS, BenchTask, get_bench_task
 from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2
-from services.tasks import Task, eval_prompts, get_task, resolve_model_path, train_prompts
-from services.tasks.prompts import encode_prompt
+from services.data import encode_prompt, eval_prompts, train_prompts
+from services.tasks import Task, get_task, resolve_model_path
 from services.tasks.tiny_llama import generate_texts
 from services.trainer.batching import token_logprobs
 from services.trainer.policy import Policy, init_distributed

@@ -3,10 +3,12 @@ rather than a job that fails (or spins) later.
 
 ``SpecChecker.check`` returns every problem as (field path, message):
 
-- paths: model.path, model.tokenizer, data.train and data.eval inside VERST_DATA_ROOTS,
-  trainer.checkpoint_dir inside VERST_CHECKPOINT_ROOT (when set; ``builtin:`` names always pass);
-- readable: a model directory with a config.json, a tokenizer directory, the data files (read as
-  the controller will read them), ``builtin:`` names that exist;
+- paths: model.path, model.tokenizer, and data.train and data.eval where their data source
+  ``reads_path``, inside VERST_DATA_ROOTS; trainer.checkpoint_dir inside VERST_CHECKPOINT_ROOT
+  (when set; ``builtin:`` models and sources that read no path always pass); a data.source that
+  names a user's function which cannot be imported (the api runs the controller, which runs it);
+- readable: a model directory with a config.json, a tokenizer directory, the paths data sources
+  read exist, the data reads (as the controller will read it), ``builtin:`` names that exist;
 - prompts: of the first ``check_prompts`` training prompts at least one fits
   ``data.max_prompt_tokens`` under the job's tokenizer (skipped when no tokenizer is at hand: a
   builtin model not built yet, or ``trust_remote_code``, whose code the api does not run);
@@ -37,17 +39,8 @@ from services.api.config import ApiSettings
 from services.common.config import JobSpec
 from services.common.grpc_client import channel
 from services.common.pb import reward_pb2, reward_pb2_grpc
-from services.tasks import (
-    BUILTIN_PREFIX,
-    DataError,
-    ModelPathError,
-    PromptExample,
-    built_model_dir,
-    builtin_model,
-    encode_prompt,
-    eval_prompts,
-    train_prompts,
-)
+from services.data import DataError, PromptExample, encode_prompt, eval_prompts, source_of, train_prompts
+from services.tasks import BUILTIN_PREFIX, ModelPathError, built_model_dir, builtin_model
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +60,17 @@ def _inside(value: str, roots: list[Path]) -> bool:
 
 
 def confinement_problems(spec: JobSpec, settings: ApiSettings) -> list[Problem]:
-    """Paths outside the configured roots."""
+    """Paths outside the configured roots, and a data source that cannot be had."""
+    try:
+        paths = _local_paths(spec)
+    except DataError as err:  # a user's source that does not import: nothing to confine
+        return [(("data", "source"), str(err))]
     problems: list[Problem] = []
     roots = settings.data_root_paths()
     if roots:
         shown = os.pathsep.join(str(root) for root in roots)
-        for path, value in _data_paths(spec):
-            if value is not None and not _builtin(value) and not _inside(value, roots):
+        for path, value in paths:
+            if not _inside(value, roots):
                 problems.append((path, f"must lie in VERST_DATA_ROOTS ({shown})"))
     root = settings.checkpoint_root_path()
     if root is not None and not _inside(spec.trainer.checkpoint_dir, [root]):
@@ -81,13 +78,23 @@ def confinement_problems(spec: JobSpec, settings: ApiSettings) -> list[Problem]:
     return problems
 
 
-def _data_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str | None]]:
-    return [
-        (("model", "path"), spec.model.path),
-        (("model", "tokenizer"), spec.model.tokenizer),
-        (("data", "train"), spec.data.train),
-        (("data", "eval"), spec.data.eval),
-    ]
+def _local_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """The local paths the job reads: its model and tokenizer, and the locations of the data
+    sources that ``reads_path``; a user's source is imported here (``DataError`` if it cannot be)."""
+    paths = [(("model", "path"), spec.model.path), (("model", "tokenizer"), spec.model.tokenizer)]
+    found = [(field, value) for field, value in paths if value is not None and not _builtin(value)]
+    return found + _data_paths(spec)
+
+
+def _data_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """(field, path) of data.train and data.eval where their source reads a local path."""
+    found = []
+    for field, location in (("train", spec.data.train), ("eval", spec.data.eval)):
+        if location is not None:
+            source, path = source_of(spec.data, location)
+            if source.reads_path:
+                found.append((("data", field), path))
+    return found
 
 
 def readability_problems(spec: JobSpec) -> list[Problem]:
@@ -104,11 +111,29 @@ def readability_problems(spec: JobSpec) -> list[Problem]:
     tokenizer = spec.model.tokenizer
     if tokenizer is not None and not (os.path.isdir(tokenizer) and os.access(tokenizer, os.R_OK | os.X_OK)):
         problems.append((("model", "tokenizer"), f"{tokenizer!r:.200} is not a readable directory"))
+    return problems + _data_problems(spec)
+
+
+def _data_problems(spec: JobSpec) -> list[Problem]:
+    """Data that cannot be read: a path a source reads that does not exist, else what reading says."""
+    try:
+        paths = _data_paths(spec)
+    except DataError as err:
+        return [(("data", "source"), str(err))]
+    missing = {
+        field[1]: f"cannot read prompts from {path!r:.200}: no such file or directory"
+        for field, path in paths
+        if not os.path.exists(path)
+    }
     readers: list[tuple[str, Callable[[], object]]] = [
         ("train", lambda: next(train_prompts(spec.data, spec.seed))),
         ("eval", lambda: eval_prompts(spec.data, 1)),
     ]
+    problems: list[Problem] = []
     for field, read in readers:
+        if field in missing:
+            problems.append((("data", field), missing[field]))
+            continue
         try:
             read()
         except DataError as err:

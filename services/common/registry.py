@@ -128,6 +128,15 @@ class Registry(Generic[E]):
         """Every registered name, sorted."""
         return tuple(sorted([*self._entries, *self._lazy]))
 
+    def declared(self, name: str) -> dict[str, Any]:
+        """The traits of registered ``name``, defaults filled in, without importing a lazy entry
+        (the JobSpec asks them where it may not import the implementation)."""
+        if name in self._lazy:
+            defaults = {f.name: f.default for f in dataclasses.fields(self.entry) if f.name in self.traits}
+            return {**defaults, **self._lazy[name][1]}
+        entry = self.get(name)
+        return {trait: getattr(entry, trait) for trait in self.traits}
+
     def _check_traits(self, name: str, traits: dict[str, Any]) -> None:
         unknown = set(traits) - self.traits
         if unknown:

@@ -53,7 +53,7 @@ class ServiceSettings(BaseSettings):
 
 class RolloutClientSettings(ServiceSettings):
     """Settings of a process that generates through the router and scores through the reward
-    service (the runner, and the api's controller for evaluation)."""
+    service (the runner, and the controller for evaluation)."""
 
     router_address: str = Field("127.0.0.1:50051", min_length=3)
     """host:port of the Router that generates the samples."""

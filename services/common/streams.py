@@ -25,7 +25,7 @@ TRAINER_GROUP = "trainer"
 RUNNERS_GROUP = "runners"
 """Rollout runners on a job's prompts stream."""
 CONTROLLER_GROUP = "controller"
-"""The api's controller on a job's checkpoints, metrics, status, control and dead streams."""
+"""The controller on a job's checkpoints, metrics, status, control and dead streams."""
 
 
 def job_key(job_id: str) -> str:

@@ -1,4 +1,4 @@
-"""The job controller: runs inside the api process and drives every unfinished job.
+"""The job controller: drives every unfinished job, inside the api's process or as its own.
 
 ``Controller.run`` polls the job store every ``poll_interval_s``, in two round trips
 whatever the number of jobs (``JobStore.active_overview``: states, submit times, and

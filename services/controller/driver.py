@@ -68,7 +68,7 @@ from services.controller.feed import PromptFeed
 from services.controller.pacing import Issue, plan_issue
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
-from services.tasks import DataError, eval_prompts
+from services.data import DataError, eval_prompts
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class JobDriver:
                     await self._publish(feed.extra(self._extra, issue.replacements), extra=True)
                 for index in issue.batches:
                     await self._publish(feed.batch(index), extra=False)
-            except DataError as err:  # e.g. no prompt fits max_prompt_tokens (job_feed.py's bound)
+            except DataError as err:  # e.g. no prompt fits max_prompt_tokens (feed.py's bound)
                 self._fail(f"cannot issue prompts: {err}")
                 return
             with contextlib.suppress(TimeoutError):  # a look at the stop flag now and then
@@ -292,6 +292,8 @@ class JobDriver:
             trainer_version=self.latest_version,
             max_staleness=self.spec.algorithm.max_staleness,
             steps=self.spec.trainer.steps,
+            prompts_per_step=self.spec.rollout.prompts_per_step,
+            oversample=self.spec.algorithm.oversample,
         )
 
     async def _publish(self, tasks: list[common_pb2.PromptTask], *, extra: bool) -> None:
@@ -347,7 +349,7 @@ class JobDriver:
             log.warning("%s: ignoring trainer signal %s", self.job_id, signal.WhichOneof("signal"))
             return True
         dropped = signal.groups_dropped
-        groups = dropped.stale + dropped.invalid + dropped.zero_variance
+        groups = dropped.stale + dropped.invalid + dropped.zero_variance + dropped.filtered
         self._count_lost(await self.store.count_dropped(self.job_id, delivery.entry_id, groups))
         return False
 

@@ -41,7 +41,7 @@ from services.common.pb import (
 from services.controller.config import ControllerSettings
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
-from services.tasks import PromptExample, PromptTooLongError, encode_prompt
+from services.data import PromptExample, PromptTooLongError, encode_prompt
 
 log = logging.getLogger(__name__)
 

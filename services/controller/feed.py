@@ -20,7 +20,7 @@ from typing import Any
 
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
-from services.tasks import DataError, PromptExample, PromptTooLongError, encode_prompt, train_prompts
+from services.data import DataError, PromptExample, PromptTooLongError, encode_prompt, train_prompts
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ MAX_SKIPPED_IN_A_ROW = 1000
 
 class PromptFeed:
     """Builds a job's PromptTasks. Reading the data source happens (and fails, with
-    services.tasks.DataError) when the feed is made."""
+    services.data.DataError) when the feed is made."""
 
     def __init__(self, spec: JobSpec, job_id: str, tokenizer: Any, *, consumed: int = 0) -> None:
         self.spec = spec

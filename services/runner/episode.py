@@ -7,7 +7,7 @@ alone, the samples of a group concurrently. Per sample:
 1. A turn is generated with the end-of-call markers of the job's ``tool_call_format``
    (``toolcalls.end_markers``) added to the stop strings, so it ends right after a call, at
    the end-of-sequence token, at a job stop string, or at the token budget. A turn that
-   comes back aborted is resumed as a single-turn sample is (``runner_group.resume``, at
+   comes back aborted is resumed as a single-turn sample is (``group.resume``, at
    most ``max_resumes`` times per turn).
 2. The turn's text (its tokens alone, decoded) is parsed for complete tool calls
    (``toolcalls``). A turn without one ends the episode: it is the answer. A turn with calls

@@ -5,12 +5,14 @@ running jobs from the job store and keeps one consumer loop per job on
 ``verst:job:{id}:prompts`` (group "runners"). Up to ``max_concurrent_groups``
 tasks are in flight at once, over all jobs. For each task it asks the router
 for the group's n samples, resumes the samples that came back aborted (partial
-rollout, see ``runner_group``), scores them in one ScoreBatch, publishes the
-group's Trajectories in one ``publish_many``, and only then acks the task. A task with
-``max_turns`` > 1 is rolled out as multi-turn episodes instead (``episode``: tool calls run
-through the Tools service between turns). A
-task whose service call failed stays pending and is retried after it is
-reclaimed; a task the engine refused (INVALID_ARGUMENT) is dead-lettered.
+rollout, see ``group.py``), scores them in one ScoreBatch, publishes the
+group's Trajectories in one ``publish_many``, and only then acks the task. That is the
+``group`` strategy; the job's ``rollout.strategy`` picks another (``tool_episode``: multi-turn
+episodes with tool calls between turns; a user's agent loop: strategy.py has the contract), and
+its ``reward.shaping`` reshapes each scored group's rewards before it is published (shaping.py).
+A task whose service call failed stays pending and is retried after it is reclaimed; a task the
+engine refused (INVALID_ARGUMENT), or whose strategy or shaping cannot be loaded or fails, is
+dead-lettered.
 The process serves gRPC health beside the loop.
 """
 
@@ -35,14 +37,9 @@ from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
 from services.runner.config import RunnerSettings
-from services.runner.episode import roll_out_episodes
-from services.runner.group import (
-    GroupClients,
-    InvalidTaskError,
-    RetryLaterError,
-    check_task,
-    roll_out_group,
-)
+from services.runner.group import GroupClients, InvalidTaskError, RetryLaterError, check_task
+from services.runner.shaping import load_shapings, shape_rewards
+from services.runner.strategy import check_trajectories, load_strategy
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +201,7 @@ class Runner:
         held = self._held.setdefault(delivery.stream, set())
         held.add(delivery.entry_id)
         try:
-            check_task(task, job_id)
-            roll_out = roll_out_episodes if task.max_turns > 1 else roll_out_group
-            trajectories = await roll_out(task, await self._clients(loop))
+            trajectories = await self._roll_out(loop, task)
             stamp_stages(trajectories, task, picked)
             await self.bus.publish_many(JobStreams(job_id).trajectories, trajectories)
             await consumer.ack([delivery])
@@ -222,6 +217,20 @@ class Runner:
         finally:
             held.discard(delivery.entry_id)
             self._slots.release()
+
+    async def _roll_out(self, loop: JobLoop, task: common_pb2.PromptTask) -> list[common_pb2.Trajectory]:
+        """The task's group by the job's strategy, its rewards shaped; InvalidTaskError when the
+        task, the strategy or a shaping is wrong (before anything is generated when it can tell)."""
+        check_task(task, loop.record.job_id)
+        spec = loop.record.spec
+        strategy = load_strategy(spec.rollout)
+        shapings = load_shapings(spec.reward.shaping)
+        clients = await self._clients(loop)
+        trajectories = await strategy.fn(task, clients)
+        check_trajectories(strategy.name, task, trajectories)
+        budget = task.sampling.max_new_tokens or spec.rollout.max_new_tokens
+        shape_rewards(trajectories, shapings, task, max_new_tokens=budget, tokenizer=clients.tokenizer)
+        return trajectories
 
     async def _keep_alive(self, stop: asyncio.Event) -> None:
         """Reset the idle time of the tasks in flight (XCLAIM JUSTID, which counts no delivery)

@@ -19,8 +19,9 @@ import random
 import re
 from collections.abc import Iterator
 
+from services.data import PromptExample
 from services.tasks.models import FORMAT_VERSION
-from services.tasks.prompts import PromptExample, held_out_problems, numbered_prompts, training_problems
+from services.tasks.problems import held_out_problems, numbered_prompts, training_problems
 
 ADDITION_OPERAND_RANGE = (10, 99)
 """Inclusive range of both operands."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from services.data import PromptExample, encode_prompt
 from services.tasks.addition import (
     WarmupRecipe,
     addition_eval_prompts,
@@ -24,7 +25,6 @@ from services.tasks.addition import (
     score_addition,
 )
 from services.tasks.models import FORMAT_VERSION
-from services.tasks.prompts import PromptExample, encode_prompt
 from services.tasks.tiny_llama import (
     Batch,
     build_tiny_llama,

@@ -1,13 +1,14 @@
-"""The built-in tasks, and how ``builtin:<name>`` data sources and model paths resolve.
+"""The built-in tasks, the ``builtin`` data source that reads them, and ``builtin:<name>`` model paths.
 
 A task is a named source of prompts with reference answers, the reward verifier
 that scores a response against an answer, and optionally the base model verst
 builds for it. ``TASKS`` lists them: ``addition`` (``addition.py``), ``multiply``
 (``multiply.py``, a multi-turn task solved with the python tool) and ``reverse``
 (``reverse.py``, string reversal with a 5.1M-parameter base model and partial credit).
-``builtin:<task>`` in a JobSpec's ``data.train`` / ``data.eval``, ``builtin:<name>``
-in its ``model.path``, and the verifier names in the reward service all resolve
-through ``TASKS``.
+``builtin:<task>`` in a JobSpec's ``data.train`` / ``data.eval`` is the data source
+``builtin`` (registered by path in services/data/sources.py) given ``<task>``;
+``builtin:<name>`` in its ``model.path`` and the verifier names in the reward service
+also resolve through ``TASKS``.
 
 Importing this module imports no torch: a base model's builder is imported when a
 build is needed.
@@ -16,12 +17,11 @@ build is needed.
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.config import DataConfig
+from services.data import DataError, PromptExample, SourceRequest, check_options
 from services.tasks.addition import (
     WarmupRecipe,
     addition_eval_prompts,
@@ -38,8 +38,10 @@ from services.tasks.models import (
     is_built,
 )
 from services.tasks.multiply import ToolRecipe, multiply_eval_prompts, multiply_train_prompts
-from services.tasks.prompts import BUILTIN_PREFIX, DataError, PromptExample, read_jsonl_prompts
 from services.tasks.reverse import ReverseRecipe, reverse_eval_prompts, reverse_train_prompts, score_reverse
+
+BUILTIN_PREFIX = "builtin:"
+"""Prefix of a model path that names a base model verst builds (``builtin:addition``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,49 +139,15 @@ def get_task(name: str) -> Task:
         raise DataError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
 
 
-# --- a JobSpec's data section -------------------------------------------------------------------
+# --- the `builtin` data source ----------------------------------------------------------------
 
 
-def builtin_task_name(source: str) -> str | None:
-    """``"addition"`` for ``"builtin:addition"``; None for a file path."""
-    return source.removeprefix(BUILTIN_PREFIX) if source.startswith(BUILTIN_PREFIX) else None
-
-
-def train_prompts(data: DataConfig, seed: int) -> Iterator[PromptExample]:
-    """Endless training prompts of a job's data section.
-
-    A built-in task samples forever from its train split. A JSONL file is
-    repeated epoch after epoch, shuffled each epoch (seeded by ``seed`` and the
-    epoch) when ``data.shuffle`` is set. The file is read, and errors raised,
-    on this call, not on the first ``next``.
-    """
-    task_name = builtin_task_name(data.train)
-    if task_name is not None:
-        return get_task(task_name).train(seed)
-    examples = read_jsonl_prompts(data.train, data.prompt_field, data.answer_field)
-    return _epochs(examples, seed, data.shuffle)
-
-
-def _epochs(examples: list[PromptExample], seed: int, shuffle: bool) -> Iterator[PromptExample]:
-    epoch = 0
-    while True:
-        order = list(examples)
-        if shuffle:
-            random.Random(f"{seed}:{epoch}").shuffle(order)
-        yield from order
-        epoch += 1
-
-
-def eval_prompts(data: DataConfig, limit: int | None = None) -> list[PromptExample]:
-    """The first ``limit`` (all when None) held-out prompts; empty when ``data.eval`` is null."""
-    if data.eval is None:
-        return []
-    task_name = builtin_task_name(data.eval)
-    if task_name is not None:
-        examples = list(get_task(task_name).eval())
-    else:
-        examples = read_jsonl_prompts(data.eval, data.prompt_field, data.answer_field)
-    return examples if limit is None else examples[:limit]
+def builtin_source(request: SourceRequest) -> Iterator[PromptExample] | Sequence[PromptExample]:
+    """The data source ``builtin`` (endless): task ``request.location``'s endless training prompts
+    for the seed, or its fixed held-out ones; ``DataError`` naming the known tasks otherwise."""
+    check_options(request, "builtin")
+    task = get_task(request.location)
+    return task.train(request.seed) if request.split == "train" else task.eval()
 
 
 # --- a JobSpec's model path ---------------------------------------------------------------------

@@ -32,15 +32,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from services.common.config import RolloutConfig
+from services.data import PromptExample, PromptTokenizer, encode_prompt
 from services.tasks.models import FORMAT_VERSION
-from services.tasks.prompts import (
-    PromptExample,
-    PromptTokenizer,
-    encode_prompt,
-    held_out_problems,
-    numbered_prompts,
-    training_problems,
-)
+from services.tasks.problems import held_out_problems, numbered_prompts, training_problems
 
 MULTIPLY_OPERAND_RANGE = (317, 999)
 """Inclusive range of both operands: 3-digit numbers whose product always has 6 digits (317² =

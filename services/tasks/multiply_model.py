@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from services.data import encode_prompt
 from services.tasks.models import FORMAT_VERSION
 from services.tasks.multiply import (
     TOOL_FORMAT_VERSION,
@@ -38,7 +39,6 @@ from services.tasks.multiply import (
     tool_transcript,
     warmup_transcripts,
 )
-from services.tasks.prompts import encode_prompt
 from services.tasks.tiny_llama import build_tiny_llama, char_tokenizer, generate_texts, tiny_llama_config
 
 TOOL_CHARS = "\n" + "".join(chr(code) for code in range(32, 127))

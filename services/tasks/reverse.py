@@ -23,8 +23,9 @@ import re
 import string
 from collections.abc import Iterator
 
+from services.data import PromptExample
 from services.tasks.models import FORMAT_VERSION
-from services.tasks.prompts import PromptExample, held_out_problems, numbered_prompts, training_problems
+from services.tasks.problems import held_out_problems, numbered_prompts, training_problems
 
 REVERSE_LENGTHS = (8, 16)
 """Inclusive range of a prompt's number of letters."""

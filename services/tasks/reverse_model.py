@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from services.data import PromptExample, encode_prompt
 from services.tasks.models import FORMAT_VERSION
-from services.tasks.prompts import PromptExample, encode_prompt
 from services.tasks.reverse import (
     REVERSE_ALPHABET,
     REVERSE_SEPARATOR,

@@ -1,5 +1,5 @@
-"""Advantage estimators, registered in ``ADVANTAGE_ESTIMATORS`` by the name a JobSpec uses
-(``algorithm.advantage``) with their traits (``AdvantageEstimator``).
+"""Advantage estimators: the functions ``services/common/algorithms.py`` declares, with their
+traits, in ``ADVANTAGE_ESTIMATORS`` by the name a JobSpec uses (``algorithm.advantage``).
 
 Two kinds. An *outcome* estimator (``get_advantage``: grpo, dr_grpo, rloo) takes
 the rewards of a rollout batch as a ``[groups, group_size]`` tensor (the samples
@@ -19,37 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from services.common.registry import Entry, Registry
+from services.common.algorithms import ADVANTAGE_ESTIMATORS
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
 EPS = 1e-6
 """Keeps a group whose rewards are all equal from dividing by zero (its advantages are 0)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AdvantageEstimator(Entry[Callable[..., Any]]):
-    """An estimator and what it asks of the job; ``fn`` is an ``AdvantageFn`` (outcome) or a
-    ``TokenAdvantageFn`` (``token_level``)."""
-
-    token_level: bool = False
-    """Per token (a ``TokenAdvantageFn``): it can take the KL penalty as per-token rewards."""
-    needs_groups: bool = False
-    """Compares the samples of a group, so needs algorithm.group_size >= 2."""
-    needs_critic: bool = False
-    """Needs the critic's values: the job trains a critic beside the policy."""
-    whiten: bool = False
-    """The trainer whitens its advantages over the batch (its returns, the critic's targets, stay raw)."""
-
-
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    AdvantageEstimator, kind="advantage estimator", field="algorithm.advantage"
-)
-"""Every estimator by the name ``algorithm.advantage`` uses."""
 
 
 def get_advantage(name: str) -> AdvantageFn:
@@ -67,7 +46,6 @@ def _check(rewards: torch.Tensor) -> None:
         raise ValueError(f"rewards must be [groups, group_size >= 2], got {tuple(rewards.shape)}")
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
 def grpo(rewards: torch.Tensor) -> torch.Tensor:
     """GRPO: (r - group mean) / (group std + eps), with the unbiased (n - 1) std."""
     _check(rewards)
@@ -76,14 +54,12 @@ def grpo(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + EPS)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_groups=True)
 def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: r - group mean; no division by the std, which favours easy and hard prompts."""
     _check(rewards)
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True)
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO: r minus the mean reward of the other samples of the group."""
     _check(rewards)
@@ -193,7 +169,6 @@ def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, (values - mean) / (var.sqrt() + EPS), 0.0)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp", token_level=True)
 def reinforce_pp(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """REINFORCE++ (Hu 2025): r_t = 1[t = end] * r(x, y) + token_rewards_t (the KL penalty
     -beta * KL_t, when given); G_t = sum_{i >= t} gamma^(i - t) r_i; A = (G - mean G) / std G
@@ -204,7 +179,6 @@ def reinforce_pp(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     return TokenAdvantages(advantages=whiten(returns, mask), returns=returns)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", token_level=True, needs_groups=True)
 def reinforce_pp_baseline(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """REINFORCE++-baseline (Hu 2025): REINFORCE++ with r(x, y) - mean of its group as the outcome
     reward; then discounted returns and normalisation over the batch as in ``reinforce_pp``.
@@ -216,7 +190,6 @@ def reinforce_pp_baseline(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     return TokenAdvantages(advantages=whiten(returns, mask), returns=returns)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", token_level=True, needs_critic=True, whiten=True)
 def gae(inputs: TokenAdvantageInputs) -> TokenAdvantages:
     """GAE (Schulman et al. 2016): delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lambda A_t',
     t' the next action token (V = A = 0 after the last: the episode ends); returns R_t = A_t + V_t.

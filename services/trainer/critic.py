@@ -3,12 +3,12 @@
 The policy's architecture without its LM head (``AutoModel`` from the same base
 model) plus a scalar head: the value of the state before each token is the head
 applied to the hidden state of the token before it, so values are target-aligned
-like the policy's logprobs. It has its own torch AdamW (``algorithm.critic_learning_rate``,
+like the policy's logprobs. It has its own torch AdamW (``algorithm.gae.critic_learning_rate``,
 ``trainer.weight_decay``, clipped at ``trainer.max_grad_norm``) and is **not** wrapped
 in DeepSpeed: it keeps full fp32 weights and optimiser state on the trainer's device
 (with autocast to ``model.dtype`` on CUDA). It trains alongside the policy: one
 optimiser step per policy optimiser step, on the same mini-batch, with the clipped
-value loss (``losses.value_loss``, ``algorithm.value_clip``). Its weights are saved in
+value loss (``losses.value_loss``, ``algorithm.gae.value_clip``). Its weights are saved in
 ``critic/`` inside each checkpoint, so a resumed job resumes its critic too (weights only:
 its AdamW moments start afresh).
 """
@@ -74,7 +74,9 @@ class Critic:
         self.shared = shared
         self.parameters = [*backbone.parameters(), *head.parameters()]
         self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=spec.algorithm.critic_learning_rate, weight_decay=spec.trainer.weight_decay
+            self.parameters,
+            lr=spec.algorithm.gae.critic_learning_rate,
+            weight_decay=spec.trainer.weight_decay,
         )
 
     @classmethod
@@ -149,7 +151,7 @@ class Critic:
                 ValueLossInputs(
                     self._values(batch), batch.old_values, batch.returns, batch.mask, batch.weights
                 ),
-                algorithm.value_clip,
+                algorithm.gae.value_clip,
             )
             result.loss.backward()
             loss += float(result.loss.detach())

@@ -21,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+from services.common.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    STALE_POLICIES,
+)
 from services.common.bus import Bus, Delivery
 from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
@@ -29,19 +35,18 @@ from services.common.leases import renew_every, stop_renewing
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
-from services.trainer.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.checkpoints import SavedCheckpoint
 from services.trainer.collector import Group, GroupCollector, Outcome, Unusable
 from services.trainer.config import TrainerSettings
 from services.trainer.critic import CRITIC_DIR, Critic
+from services.trainer.filters import ChosenFilter, GroupScores, chosen_filters, first_to_drop
 from services.trainer.job_control import CheckpointUnavailable, JobControl, JobStopped, StopKind
 from services.trainer.lineage import Lineage
-from services.trainer.losses import POLICY_LOSSES, sample_token_weights
+from services.trainer.losses import sample_token_weights
 from services.trainer.objective import StepStats
 from services.trainer.policy import Policy, deepspeed_config, init_distributed, write_weights_file
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
-from services.trainer.regularizers import KL_ESTIMATORS, STALE_POLICIES
 from services.trainer.report import (
     DropCounts,
     Progress,
@@ -61,8 +66,9 @@ NO_MIN_VERSION = -(2**63)
 Trajectory = common_pb2.Trajectory
 
 
-def check_supported(spec: JobSpec) -> None:
-    """Fail fast, with the field's name, on a JobSpec this trainer cannot honour."""
+def check_supported(spec: JobSpec) -> list[ChosenFilter]:
+    """Fail fast, with the field's name, on a JobSpec this trainer cannot honour; its group
+    filters, resolved (a user's imported here)."""
     algorithm = spec.algorithm
     ADVANTAGE_ESTIMATORS.get(algorithm.advantage)
     POLICY_LOSSES.get(algorithm.policy_loss)
@@ -70,6 +76,7 @@ def check_supported(spec: JobSpec) -> None:
     STALE_POLICIES.get(algorithm.stale_policy)
     sample_token_weights([1], algorithm.loss_aggregation, spec.rollout.max_new_tokens)
     deepspeed_config(spec.trainer, spec.model.dtype)
+    return chosen_filters(algorithm.filters)
 
 
 def unique_deliveries(groups: Iterable[Group]) -> list[Delivery[Trajectory]]:
@@ -121,13 +128,16 @@ class JobRun:
         self.critic: Critic | None = None
         """The value model, when the job uses GAE."""
         self.model_lock = asyncio.Lock()
+        self.filters: list[ChosenFilter] = []
+        """The job's group filters, in order (algorithm.filters)."""
         self.drops = DropCounts()
         self._in_training: list[Delivery[Trajectory]] = []
         self._reported: asyncio.Future[None] | None = None
         """The last step's report, made once its weights are out (``_settle``)."""
 
     async def run(self) -> None:
-        check_supported(self.spec)
+        self.filters = check_supported(self.spec)
+        self.drops = self._step_drops()
         keepalive_stop = asyncio.Event()
         keepalive = asyncio.create_task(self._keep_alive(keepalive_stop))
         try:
@@ -270,11 +280,11 @@ class JobRun:
     # -- one step ------------------------------------------------------------------------
 
     async def _collect(self, consumer: StreamConsumer[Trajectory]) -> list[Group]:
-        """Wait for ``prompts_per_step`` complete, fresh, valid groups with a learning signal.
+        """Wait for ``prompts_per_step`` complete, fresh, valid groups that the job's filters keep.
 
         Groups taken but not trained yet are held in ``_in_training`` (the keep-alive renews them).
-        A group filtered for zero reward variance is acked and reported at once, like a stale
-        one, so that the controller issues a replacement prompt and the step still fills.
+        A group a filter drops is acked and reported at once, like a stale one, so that the
+        controller issues a replacement prompt and the step still fills.
         """
         self._enter(trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA)
         wanted = self.spec.rollout.prompts_per_step
@@ -285,11 +295,12 @@ class JobRun:
             await self._drop(consumer, unusable)
             if self.collector.complete:
                 taken = self.collector.take(wanted - len(ready))
-                flat = [group for group in taken if self._zero_variance(group)]
-                ready.extend(group for group in taken if not self._zero_variance(group))
+                verdicts = [(group, self._dropped_by(group)) for group in taken]
+                ready.extend(group for group, by in verdicts if by is None)
                 self._in_training = unique_deliveries(ready)
-                if flat:
-                    await self._drop_zero_variance(consumer, flat)
+                filtered = [(group, by) for group, by in verdicts if by is not None]
+                if filtered:
+                    await self._drop_filtered(consumer, filtered)
                 if len(ready) >= wanted:
                     return ready
             for delivery in await consumer.poll():
@@ -312,11 +323,21 @@ class JobRun:
             return NO_MIN_VERSION
         return self.version - algorithm.max_staleness
 
-    async def _drop_zero_variance(self, consumer: StreamConsumer[Trajectory], groups: list[Group]) -> None:
-        await consumer.ack(unique_deliveries(groups))
-        self.drops.zero_variance += len(groups)
-        log.info("job %s: filtered %d groups without reward variance", self.job_id, len(groups))
-        await self._report_drops(common_pb2.GroupsDropped(zero_variance=len(groups)))
+    def _dropped_by(self, group: Group) -> str | None:
+        """The filter that drops the group, or None when the job's filters all keep it."""
+        return first_to_drop(self.filters, GroupScores.of(group.ordered())) if self.filters else None
+
+    async def _drop_filtered(
+        self, consumer: StreamConsumer[Trajectory], filtered: list[tuple[Group, str]]
+    ) -> None:
+        """Ack the groups the filters dropped, count them by filter, and report them at once."""
+        await consumer.ack(unique_deliveries(group for group, _ in filtered))
+        for _, by in filtered:
+            self.drops.filtered[by] += 1
+        log.info(
+            "job %s: filters dropped %s", self.job_id, ", ".join(f"{g.group_id} ({by})" for g, by in filtered)
+        )
+        await self._report_drops(common_pb2.GroupsDropped(filtered=len(filtered)))
 
     async def _drop(self, consumer: StreamConsumer[Trajectory], unusable: Unusable) -> None:
         """Ack stale groups; dead-letter invalid ones with their problems as the reason."""
@@ -373,7 +394,7 @@ class JobRun:
             saved = await self._save_durable() if self.lineage.durable_due(self.version) else None
             saved_at = time.monotonic() if saved is not None else published_at
         await asyncio.to_thread(self.store.prune)
-        version, epoch, drops, self.drops = self.version, self.lineage.epoch, self.drops, DropCounts()
+        version, epoch, drops, self.drops = self.version, self.lineage.epoch, self.drops, self._step_drops()
 
         async def report() -> None:
             published, write_s = await publication
@@ -399,10 +420,9 @@ class JobRun:
         seed = self.spec.seed * 1_000_003 + self.version
         return prepared, self.policy.optimise(prepared.samples, seed, self.critic, prepared.proximal)
 
-    def _zero_variance(self, group: Group) -> bool:
-        if not self.spec.algorithm.filter_zero_variance_groups:
-            return False
-        return len({t.reward for t in group.trajectories.values()}) == 1
+    def _step_drops(self) -> DropCounts:
+        """A step's drop counts, with every filter of the job at 0 (its metric is in every step)."""
+        return DropCounts(filtered=dict.fromkeys((f.label for f in self.filters), 0))
 
     async def _publish_metrics(
         self,

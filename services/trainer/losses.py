@@ -1,5 +1,5 @@
-"""Policy losses, registered in ``POLICY_LOSSES`` by the name a JobSpec uses
-(``algorithm.policy_loss``), and the token weights of the loss aggregations (``algorithm.loss_aggregation``).
+"""Policy losses and loss aggregations: the functions ``services/common/algorithms.py`` declares in
+``POLICY_LOSSES`` (``algorithm.policy_loss``) and ``LOSS_AGGREGATIONS`` (``algorithm.loss_aggregation``).
 
 A loss sees per-token tensors of one micro-batch and returns ``sum(weights *
 token_loss)``. The weights carry the aggregation over the *whole* rollout
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.algorithms import LOSS_AGGREGATIONS
 from services.common.config import AlgorithmConfig
-from services.common.registry import Entry, Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,20 +48,6 @@ class PolicyLossOutput:
 PolicyLossFn = Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyLoss(Entry[PolicyLossFn]):
-    """A policy loss and what the trainer may assume of it."""
-
-    vanishes_at_zero_advantage: bool = True
-    """A token whose advantage is 0 adds exactly 0 to the loss and its gradient, whatever its
-    ratio: the trainer may leave a sample with no nonzero advantage out of forward and backward."""
-
-
-POLICY_LOSSES: Registry[PolicyLoss] = Registry(PolicyLoss, kind="policy loss", field="algorithm.policy_loss")
-"""Every policy loss by the name ``algorithm.policy_loss`` uses."""
-
-
-@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
     """PPO's clipped surrogate, with clip-higher (clip_low != clip_high) and optional dual-clip."""
     mask = inputs.mask
@@ -86,18 +72,10 @@ def ppo_clip(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLoss
     return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl, tokens=tokens)
 
 
-GSPO_CLIP_LOW = 3e-4
-"""GSPO's lower clip range on the sequence ratio (the paper's 3e-4; a sequence ratio moves far
-less than a token ratio, so PPO's 0.2 would rarely clip)."""
-GSPO_CLIP_HIGH = 4e-4
-"""GSPO's upper clip range on the sequence ratio (the paper's 4e-4)."""
-
-
-@POLICY_LOSSES.register("gspo")
 def gspo(inputs: PolicyLossInputs, algorithm: AlgorithmConfig) -> PolicyLossOutput:
-    """GSPO (Zheng et al. 2025) with algorithm.gspo_clip_low/high (by default the paper's
-    ranges, GSPO_CLIP_LOW/HIGH); ``gspo_token`` has the formula."""
-    return gspo_token(inputs, algorithm.gspo_clip_low, algorithm.gspo_clip_high)
+    """GSPO (Zheng et al. 2025) with algorithm.gspo.clip_low/high (by default the paper's
+    ranges); ``gspo_token`` has the formula."""
+    return gspo_token(inputs, algorithm.gspo.clip_low, algorithm.gspo.clip_high)
 
 
 def gspo_token(inputs: PolicyLossInputs, clip_low: float, clip_high: float) -> PolicyLossOutput:
@@ -176,24 +154,32 @@ def value_loss(inputs: ValueLossInputs, clip_range: float | None) -> ValueLossOu
     return ValueLossOutput(loss=loss, clip_fraction=active / tokens if tokens else 0.0, tokens=tokens)
 
 
+AggregationFn = Callable[[Sequence[int], int], list[float]]
+"""(loss tokens per sample, the response budget) -> each sample's weight per loss token."""
+
+
 def sample_token_weights(loss_tokens: Sequence[int], aggregation: str, constant: int) -> list[float]:
     """The weight of each loss token of each sample, so that the weighted sum of token
-    losses over the rollout batch is its aggregated loss.
+    losses over the rollout batch is its aggregated loss (``aggregation``, a ``LOSS_AGGREGATIONS``
+    name). ``loss_tokens``: loss-mask tokens per sample; ``constant``: the response budget."""
+    fn: AggregationFn = LOSS_AGGREGATIONS.get(aggregation).fn
+    return fn(loss_tokens, constant) if loss_tokens else []
 
-    ``loss_tokens``: loss-mask tokens per sample. ``token_mean``: 1 / all tokens.
-    ``sequence_mean``: 1 / (samples * the sample's tokens). ``constant`` (Dr. GRPO):
-    1 / (samples * constant), with constant the response budget.
-    """
+
+def token_mean(loss_tokens: Sequence[int], constant: int) -> list[float]:
+    """1 / all tokens of the batch (``constant`` unused)."""
+    total = sum(loss_tokens)
+    return [1.0 / total if total else 0.0] * len(loss_tokens)
+
+
+def sequence_mean(loss_tokens: Sequence[int], constant: int) -> list[float]:
+    """1 / (samples * the sample's tokens): each sample's mean, then the mean over samples."""
     count = len(loss_tokens)
-    if count == 0:
-        return []
-    if aggregation == "token_mean":
-        total = sum(loss_tokens)
-        return [1.0 / total if total else 0.0] * count
-    if aggregation == "sequence_mean":
-        return [1.0 / (count * tokens) if tokens else 0.0 for tokens in loss_tokens]
-    if aggregation == "constant":
-        if constant < 1:
-            raise ValueError("the constant of loss_aggregation 'constant' must be >= 1")
-        return [1.0 / (count * constant)] * count
-    raise ValueError(f"algorithm.loss_aggregation {aggregation!r} is not available in this trainer")
+    return [1.0 / (count * tokens) if tokens else 0.0 for tokens in loss_tokens]
+
+
+def constant_normaliser(loss_tokens: Sequence[int], constant: int) -> list[float]:
+    """Dr. GRPO's 1 / (samples * constant), with ``constant`` the response budget."""
+    if constant < 1:
+        raise ValueError("the constant of loss_aggregation 'constant' must be >= 1")
+    return [1.0 / (len(loss_tokens) * constant)] * len(loss_tokens)

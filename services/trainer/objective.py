@@ -35,13 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.algorithms import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from services.common.config import AlgorithmConfig
 from services.trainer.batching import MicroBatch, TrainSample, token_logprobs
 from services.trainer.critic import CriticStats
-from services.trainer.losses import POLICY_LOSSES, PolicyLossFn, PolicyLossInputs
+from services.trainer.losses import PolicyLossFn, PolicyLossInputs
 from services.trainer.regularizers import (
-    KL_ESTIMATORS,
-    OFF_POLICY_CORRECTIONS,
     entropy_bonus,
     k3,
     kl_loss,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from services.common.algorithms import POLICY_LOSSES
 from services.common.config import JobSpec, TrainerConfig
 from services.trainer import distributed
 from services.trainer.batching import (
@@ -36,7 +37,7 @@ from services.trainer.checkpoints import TRAINING_STATE_DIR, TRAINING_STATE_FILE
 from services.trainer.critic import Critic
 from services.trainer.extension_locks import extension_build_guard
 from services.trainer.layout_checks import packing_works, sharing_works
-from services.trainer.losses import POLICY_LOSSES, sample_token_weights
+from services.trainer.losses import sample_token_weights
 from services.trainer.objective import (
     ProximalFromForward,
     StepStats,

@@ -14,8 +14,8 @@ For the groups of one step (blocking; run in a thread):
 2. reference logprobs (``kl_coef > 0``) and the critic's values (an estimator that ``needs_critic``);
 3. the behaviour importance weight of each token (here, unless step 1 left them to the
    training forward) (``algorithm.off_policy_correction``,
-   ``regularizers.OFF_POLICY_CORRECTIONS``): from r = p_old / p_behaviour, decoupled
-   PPO's r where r <= behaviour_weight_cap (else 0), TIS's min(r, tis_cap), or none;
+   ``algorithms.OFF_POLICY_CORRECTIONS``): from r = p_old / p_behaviour, decoupled
+   PPO's r where r <= decoupled.cap (else 0), TIS's min(r, tis.cap), or none;
 4. advantages per token (``get_token_advantage``, for every estimator; the outcome
    ones broadcast their per-sample value); with ``kl_in_reward`` the KL penalty is
    each token's reward; an estimator's advantages are whitened over the batch when it
@@ -33,10 +33,15 @@ from typing import Protocol
 
 import torch
 
+from services.common.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    OFF_POLICY_CORRECTIONS,
+    STALE_POLICIES,
+    OffPolicyCorrection,
+)
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
 from services.trainer.advantages import (
-    ADVANTAGE_ESTIMATORS,
     TokenAdvantageInputs,
     TokenAdvantages,
     get_token_advantage,
@@ -46,13 +51,7 @@ from services.trainer.batching import TrainSample, response_mask, response_matri
 from services.trainer.critic import Critic
 from services.trainer.objective import ProximalFromForward
 from services.trainer.reference import ReferenceModel
-from services.trainer.regularizers import (
-    OFF_POLICY_CORRECTIONS,
-    STALE_POLICIES,
-    ImportanceWeights,
-    OffPolicyCorrection,
-    kl_reward_penalty,
-)
+from services.trainer.regularizers import ImportanceWeights, kl_reward_penalty
 
 HISTOGRAM_BUCKETS = 8
 """Staleness histogram: one count per lag 0..7, then one for every larger lag."""
@@ -150,7 +149,7 @@ def token_advantages(
             token_rewards=token_rewards,
             values=response_matrix(values) if values is not None else None,
             gamma=algorithm.gamma,
-            lam=algorithm.gae_lambda,
+            lam=algorithm.gae.lambda_,
         )
     )
 
@@ -195,7 +194,7 @@ def prepare(
     rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)
     lags = version_lags(groups, version)
     staleness = STALE_POLICIES.get(algorithm.stale_policy).fn(
-        lags, algorithm.max_staleness, algorithm.stale_decay
+        lags, algorithm.max_staleness, algorithm.downweight.decay
     )
     mask = response_mask(samples)
     skipped = old_from_training_forward(spec) and not recompute_old

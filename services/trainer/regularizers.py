@@ -1,8 +1,8 @@
-"""Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``, registered in
-``KL_ESTIMATORS``), the entropy of the policy, the behaviour importance weights of the off-policy
-corrections (``algorithm.off_policy_correction``, registered in ``OFF_POLICY_CORRECTIONS``), and
-staleness weights (``algorithm.stale_policy``, registered in ``STALE_POLICIES``).
-Each is a small function of per-token tensors.
+"""Regularisers around the policy loss: KL estimators (``algorithm.kl_estimator``), the entropy of
+the policy, the behaviour importance weights of the off-policy corrections
+(``algorithm.off_policy_correction``), and staleness weights (``algorithm.stale_policy``). Each is
+a small function of per-token tensors; ``services/common/algorithms.py`` declares the named ones,
+with their traits, in ``KL_ESTIMATORS``, ``OFF_POLICY_CORRECTIONS`` and ``STALE_POLICIES``.
 
 KL direction: the tokens were sampled from the policy pi, and the estimators
 estimate KL(pi || pi_ref) = E_{x ~ pi}[log pi(x) - log pi_ref(x)] from them,
@@ -11,37 +11,27 @@ with the ratio r = pi_ref(x) / pi(x), so log r = logp_ref - logp.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from services.common.registry import Entry, Registry
+from services.common.algorithms import KL_ESTIMATORS
 
 KLEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-KL_ESTIMATORS: Registry[Entry[KLEstimatorFn]] = Registry(
-    Entry, kind="KL estimator", field="algorithm.kl_estimator"
-)
-"""Every KL estimator by the name ``algorithm.kl_estimator`` uses."""
 
-
-@KL_ESTIMATORS.register("k1")
 def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = -log r = logp - logp_ref (Schulman, "Approximating KL divergence", 2020): unbiased,
     high variance, negative on some tokens."""
     return logprobs - ref_logprobs
 
 
-@KL_ESTIMATORS.register("k2")
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 (log r)^2 (Schulman 2020): biased, low variance, never negative."""
     return 0.5 * (ref_logprobs - logprobs) ** 2
 
 
-@KL_ESTIMATORS.register("k3")
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 = (r - 1) - log r (Schulman 2020): unbiased, low variance, never negative."""
     log_r = ref_logprobs - logprobs
@@ -122,31 +112,8 @@ class ImportanceWeights:
     """Masked tokens, to combine means of several micro-batches."""
 
 
-TIS_DEFAULT_CAP = 2.0
-"""TIS's cap when ``algorithm.tis_cap`` is null (ms-swift's default importance sampling threshold)."""
-
 BehaviourWeightFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], ImportanceWeights]
-
-
-@dataclass(frozen=True, slots=True)
-class OffPolicyCorrection(Entry[BehaviourWeightFn]):
-    """How the policy loss corrects for the behaviour policy, and what the trainer may assume of it."""
-
-    reweights: bool = True
-    """Its weights multiply the policy loss (False: every weight is 1, only the mismatch is measured)."""
-    cap_of: Callable[[Any], float | None] = lambda algorithm: None
-    """Its cap, read from the ``algorithm`` section (None: ``default_cap``)."""
-    default_cap: float = math.inf
-    """Its cap when ``cap_of`` gives None."""
-    corrects_engine: bool = False
-    """It corrects the engine/trainer mismatch, which tokens of the current version have too: the
-    old logprobs are recomputed even when every token is fresh (no on-policy fast path)."""
-
-
-OFF_POLICY_CORRECTIONS: Registry[OffPolicyCorrection] = Registry(
-    OffPolicyCorrection, kind="off-policy correction", field="algorithm.off_policy_correction"
-)
-"""Every off-policy correction by the name ``algorithm.off_policy_correction`` uses."""
+"""(trainer logprobs, behaviour logprobs, mask, cap) -> the behaviour weight of each token."""
 
 
 def _behaviour_ratio(
@@ -165,7 +132,6 @@ def _fraction(selected: torch.Tensor, tokens: int) -> float:
     return float(selected.sum()) / tokens if tokens else 0.0
 
 
-@OFF_POLICY_CORRECTIONS.register("none", reweights=False)
 @torch.no_grad()
 def unit_importance_weights(
     trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
@@ -176,9 +142,6 @@ def unit_importance_weights(
                              tokens=tokens)  # fmt: skip
 
 
-@OFF_POLICY_CORRECTIONS.register(
-    "tis", cap_of=lambda algorithm: algorithm.tis_cap, default_cap=TIS_DEFAULT_CAP, corrects_engine=True
-)
 @torch.no_grad()
 def truncated_importance_weights(
     trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
@@ -197,7 +160,6 @@ def truncated_importance_weights(
     )
 
 
-@OFF_POLICY_CORRECTIONS.register("decoupled", cap_of=lambda algorithm: algorithm.behaviour_weight_cap)
 @torch.no_grad()
 def decoupled_importance_weights(
     trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
@@ -239,20 +201,7 @@ class StalenessWeights:
 
 
 StalenessFn = Callable[[Sequence[int], int, float], StalenessWeights]
-
-
-@dataclass(frozen=True, slots=True)
-class StalePolicy(Entry[StalenessFn]):
-    """A stale policy and what the trainer may assume of it."""
-
-    drops: bool = False
-    """Samples beyond max_staleness are never trained on, so older groups need not be collected."""
-
-
-STALE_POLICIES: Registry[StalePolicy] = Registry(
-    StalePolicy, kind="stale policy", field="algorithm.stale_policy"
-)
-"""Every stale policy by the name ``algorithm.stale_policy`` uses."""
+"""(version lags, max_staleness, decay) -> each sample's weight and whether it is kept."""
 
 
 def _stale(lags: Sequence[int], max_staleness: int) -> list[bool]:
@@ -261,7 +210,6 @@ def _stale(lags: Sequence[int], max_staleness: int) -> list[bool]:
     return [lag > max_staleness for lag in lags]
 
 
-@STALE_POLICIES.register("drop", drops=True)
 def drop_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
     """Samples whose version lag (trainer version - oldest token version) exceeds max_staleness
     are dropped; the rest keep weight 1. ``decay`` is unused (same signature as downweight)."""
@@ -276,7 +224,6 @@ def drop_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> S
     )
 
 
-@STALE_POLICIES.register("downweight")
 def downweight_stale(lags: Sequence[int], max_staleness: int, decay: float = 0.5) -> StalenessWeights:
     """Samples beyond max_staleness stay, weighted decay ** (lag - max_staleness), so the
     weight falls geometrically with every version past the allowed window."""

@@ -45,7 +45,8 @@ class Progress:
 class DropCounts:
     """What one step skipped, reported in its Metric. (Dropped groups are reported at once.)"""
 
-    zero_variance: int = 0
+    filtered: dict[str, int] = field(default_factory=dict)
+    """Groups each group filter dropped, by its ``type``."""
     stale_groups: int = 0
     duplicates: int = 0
 
@@ -85,7 +86,8 @@ def step_metric_values(
         "reward_mean": statistics.fmean(prepared.rewards),
         "reward_std": statistics.pstdev(prepared.rewards),
         "response_tokens": float(sum(len(s.response_token_ids) for s in prepared.samples)),
-        "zero_variance_filtered": float(drops.zero_variance),
+        "groups_filtered": float(sum(drops.filtered.values())),
+        **{f"groups_filtered/{label}": float(count) for label, count in drops.filtered.items()},
         "stale_groups_dropped": float(drops.stale_groups),
         "duplicates_skipped": float(drops.duplicates),
         "step_seconds": step_s,

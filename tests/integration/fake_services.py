@@ -3,6 +3,8 @@
 FakeRouter and FakeReward implement the proto contracts deterministically: the "engine" answers
 the addition prompt correctly for even sample indices (and, when greedy, for the problems
 ``correct_at_version`` says it knows), with logprobs and policy versions the tests can check.
+CountingReward is verst's real reward servicer, recording the job of every item it scores (the
+reward swap tests: a job that names another server must never reach it).
 Their fixtures are imported by the test modules that use them (runner, controller, reward swap).
 """
 
@@ -28,9 +30,11 @@ from services.common.pb import (
     router_pb2_grpc,
 )
 from services.common.streams import JobStreams
+from services.data import encode_prompt
+from services.reward.config import RewardSettings
+from services.reward.server import RewardServicer
 from services.runner.config import RunnerSettings
 from services.runner.server import GROUP, Runner
-from services.tasks import encode_prompt
 from tests.helpers import serve, stream_messages
 
 ENGINE_ID = "fake-engine-1"
@@ -127,6 +131,18 @@ class FakeReward(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreBatchResponse(results=results)
 
 
+class CountingReward(RewardServicer):
+    """verst's reward servicer, recording the job of every item it scores."""
+
+    def __init__(self) -> None:
+        super().__init__(RewardSettings(port=0, tools_enabled=False))
+        self.jobs: list[str] = []
+
+    async def score(self, request: reward_pb2.ScoreRequest, timeout_s: float | None = None) -> Any:
+        self.jobs.append(request.job_id)
+        return await super().score(request, timeout_s)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint-like directory holding the builtin character tokenizer."""
@@ -160,6 +176,15 @@ async def reward() -> AsyncIterator[tuple[FakeReward, str]]:
     await server.stop(None)
 
 
+@pytest.fixture
+async def builtin_reward() -> AsyncIterator[tuple[CountingReward, str]]:
+    """verst's reward servicer (a CountingReward) on a loopback port, and its address."""
+    servicer = CountingReward()
+    server, address = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(servicer, s))
+    yield servicer, address
+    await server.stop(None)
+
+
 def checkpoint(job_id: str, version: int, directory: Path) -> common_pb2.CheckpointHandle:
     return common_pb2.CheckpointHandle(
         job_id=job_id, version=version, uri=directory.as_uri(), format="safetensors", step=version
@@ -190,7 +215,7 @@ class RunningJob:
                 temperature=1.0, max_new_tokens=8, n=self.spec.algorithm.group_size
             ),
             answer=answer,
-            verifier="addition",
+            verifier=self.spec.reward.scorer,  # as the controller's feed sets it
             split=common_pb2.SPLIT_TRAIN,
             policy_version=0,
         )

@@ -105,7 +105,7 @@ ALGORITHMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "reinforce_pp_baseline": ({"advantage": "reinforce_pp_baseline"}, {}),
     "gspo": ({"policy_loss": "gspo", "loss_aggregation": "sequence_mean"}, {}),
     "ppo_gae": (
-        {"advantage": "gae", "gae_lambda": 0.95, "critic_learning_rate": 3e-3},
+        {"advantage": "gae", "gae": {"lambda": 0.95, "critic_learning_rate": 3e-3}},
         {"ppo_epochs": 2, "mini_batches": 2},
     ),
 }
@@ -204,7 +204,7 @@ def test_behaviour_importance_weights_scale_the_policy_gradient(model_dir: Path)
     norms = {}
     for correction, settings in {
         "none": {"off_policy_correction": "none"},
-        "tis": {"tis_cap": 0.2},
+        "tis": {"tis": {"cap": 0.2}},
         "decoupled": {"off_policy_correction": "decoupled"},
     }.items():
         algorithm = {"max_staleness": 1, **settings}
@@ -249,8 +249,8 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
         "model": {"path": str(model_dir)},
         "algorithm": {
             "advantage": "gae", "group_size": 2, "max_staleness": 0, "stale_policy": "downweight",
-            "stale_decay": 0.5, "filter_zero_variance_groups": True, "kl_coef": 0.05,
-            "entropy_coef": 0.01, "tis_cap": 2.0, "critic_learning_rate": 1e-3,
+            "downweight": {"decay": 0.5}, "filters": [{"type": "zero_variance"}], "kl_coef": 0.05,
+            "entropy_coef": 0.01, "tis": {"cap": 2.0}, "gae": {"critic_learning_rate": 1e-3},
         },
         "rollout": {"prompts_per_step": 2, "max_new_tokens": 8},
         "trainer": {"steps": 2, "learning_rate": 1e-3, "micro_batch_tokens": 32, "ppo_epochs": 2,
@@ -281,9 +281,10 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
 
     metrics = await metrics_of(bus, job_id)
     [dropped] = await trainer_signals(bus, job_id)  # reported before step 1, for replacement
-    assert dropped.policy_version == 0 and dropped.groups_dropped == common_pb2.GroupsDropped(zero_variance=1)
+    assert dropped.policy_version == 0 and dropped.groups_dropped == common_pb2.GroupsDropped(filtered=1)
     assert sorted(metrics) == [1, 2]  # the metrics stream carries only the steps' metrics
-    assert metrics[1]["zero_variance_filtered"] == 1
+    assert metrics[1]["groups_filtered"] == metrics[1]["groups_filtered/zero_variance"] == 1
+    assert metrics[2]["groups_filtered/zero_variance"] == 0
     assert metrics[1]["response_tokens"] == 12  # two full groups of 2 x 3 tokens
     for step in (1, 2):
         values = metrics[step]

@@ -61,6 +61,14 @@ async def test_a_bad_spec_is_a_422_naming_each_field_path(client: httpx.AsyncCli
     assert (await client.get("/v1/jobs")).json() == {"jobs": []}, "nothing was stored"
 
 
+async def test_a_moved_algorithm_key_is_a_422_naming_its_new_place(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/v1/jobs", json={"algorithm": {"gae_lambda": 0.95, "group_size": 1}})
+    assert reply.status_code == 422
+    problems = {tuple(error["loc"]): error["msg"] for error in reply.json()["detail"]}
+    assert problems[("body", "algorithm", "gae_lambda")] == "moved: use algorithm.gae.lambda"
+    assert "must be >= 2" in problems[("body", "algorithm", "group_size")]  # reported together
+
+
 async def test_get_list_and_404(client: httpx.AsyncClient) -> None:
     ids = [(await client.post("/v1/jobs", json={"name": f"j{i}"})).json()["job_id"] for i in range(3)]
     listed = (await client.get("/v1/jobs")).json()["jobs"]

@@ -194,3 +194,24 @@ async def test_paths_are_confined_to_their_roots(submit: Any, tmp_path: Path, mo
 
 async def test_checks_off_accepts_what_only_the_world_refuses(submit: Any) -> None:
     assert (await submit({"reward": {"verifier": "nope"}}, check_specs=False)).status_code == 201
+
+
+async def test_a_user_source_is_confined_by_its_traits(submit: Any, tmp_path: Path) -> None:
+    """``reads_path`` (examples/plugins/data_source.py's tsv_rows) confines and checks the location;
+    a source without it (arithmetic) names no path; one that cannot be imported is a 422 at once."""
+    root = tmp_path / "data"
+    root.mkdir()
+    inside, outside = root / "qa.tsv", tmp_path / "qa.tsv"
+    for path in (inside, outside):
+        path.write_text("prompt\tanswer\n1+1=\t2\n")
+    roots = {"VERST_DATA_ROOTS": str(root)}
+    tsv = {"source": "examples.plugins.data_source:tsv_rows", "eval": None}
+    assert (await submit({"data": {**tsv, "train": str(inside)}}, **roots)).status_code == 201
+    problems = fields(await submit({"data": {**tsv, "train": str(outside)}}, **roots))
+    assert "must lie in VERST_DATA_ROOTS" in problems["data.train"]
+    problems = fields(await submit({"data": {**tsv, "train": str(root / "gone.tsv")}}, **roots))
+    assert "no such file or directory" in problems["data.train"]
+    arithmetic = {"source": "examples.plugins.data_source:arithmetic", "train": "add", "eval": "add"}
+    assert (await submit({"data": arithmetic}, **roots)).status_code == 201, "no path to confine"
+    problems = fields(await submit({"data": {"source": "tests.no_such:rows", "train": "x"}}, **roots))
+    assert "cannot import" in problems["data.source"]

@@ -21,7 +21,7 @@ from services.common.streams import CONTROLLER_GROUP, RUNNERS_GROUP, JobStreams
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
 from services.controller.telemetry import ControllerMetrics
-from services.tasks import encode_prompt, eval_prompts
+from services.data import encode_prompt, eval_prompts
 from tests.helpers import eventually, stream_messages
 from tests.integration.fake_services import (
     FakeReward,
@@ -108,12 +108,14 @@ class Trainer:
         await self.bus.publish(self.streams.status, status)
 
     async def report_drops(
-        self, version: int, *, stale: int = 0, invalid: int = 0, zero_variance: int = 0
+        self, version: int, *, stale: int = 0, invalid: int = 0, zero_variance: int = 0, filtered: int = 0
     ) -> str:
         """A GroupsDropped signal on the control stream; returns its entry id."""
         signal = common_pb2.TrainerSignal(job_id=self.job_id, policy_version=version)
         signal.groups_dropped.CopyFrom(
-            common_pb2.GroupsDropped(stale=stale, invalid=invalid, zero_variance=zero_variance)
+            common_pb2.GroupsDropped(
+                stale=stale, invalid=invalid, zero_variance=zero_variance, filtered=filtered
+            )
         )
         return await self.bus.publish(self.streams.control, signal)
 
@@ -424,8 +426,35 @@ async def test_groups_the_trainer_dropped_are_replaced(
     assert len(await trainer.prompts()) == 7
     record = await trainer.store.get(trainer.job_id)
     assert (record.issued_extra, record.dropped_groups) == (3, 3)
-    await trainer.report_drops(1, zero_variance=1)
+    await trainer.report_drops(1, zero_variance=1)  # an older trainer's count of its one filter
     assert len(await trainer.wait_for_prompts(8)) == 8
+    await trainer.report_drops(1, filtered=2)  # what algorithm.filters dropped
+    assert len(await trainer.wait_for_prompts(10)) == 10
+
+
+async def test_an_oversampled_job_keeps_a_cushion_that_drops_refill(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    algorithm = {
+        "group_size": 2,
+        "max_staleness": 1,
+        "filters": [{"type": "dynamic_sampling"}],
+        "oversample": 0.5,
+    }
+    _, trainer = await submit(bus, tokenizer_dir, services[0], algorithm=algorithm, eval={"at_start": False})
+    await controllers.start()
+    await trainer.publish_version(0)
+    prompts = await trainer.wait_for_prompts(5)  # two batches of 2, and half a batch more
+    assert sorted(p.prompt_id.split(":", 1)[1] for p in prompts) == ["0:0", "0:1", "1:0", "1:1", "extra:0"]
+    await trainer.report_drops(0, filtered=1)  # covered by the cushion; its replacement refills it
+    assert len(await trainer.wait_for_prompts(6)) == 6
+    await trainer.publish_version(1)
+    assert len(await trainer.wait_for_prompts(8)) == 8  # batch 2
+    await asyncio.sleep(0.3)
+    assert len(await trainer.prompts()) == 8, "the cushion does not grow with the steps"
 
 
 async def test_a_controller_that_died_before_acking_a_drop_replaces_it_once(

@@ -20,7 +20,7 @@ from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2, router_
 from services.common.redis_server import free_port
 from services.controller.controller import Controller
 from services.controller.evaluation import DUE_VERSION, EvalError, Evaluator, dues_without_result
-from services.tasks import PromptExample, eval_prompts
+from services.data import PromptExample, eval_prompts
 from tests.helpers import eventually, serve
 from tests.integration.fake_services import FakeReward, FakeRouter
 from tests.integration.test_controller import (  # noqa: F401  (fixtures)

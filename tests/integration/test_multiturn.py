@@ -25,6 +25,7 @@ from services.common.config import JobSpec
 from services.common.jobs import RUNNING, JobStore
 from services.common.pb import common_pb2, reward_pb2, rollout_pb2, router_pb2_grpc
 from services.common.streams import JobStreams
+from services.data import encode_prompt
 from services.reward import server as reward_server
 from services.reward.config import RewardSettings
 from services.reward.server import RewardServicer
@@ -32,7 +33,6 @@ from services.runner.config import RunnerSettings
 from services.runner.episode import turn_seed
 from services.runner.group import resume_seed
 from services.runner.server import GROUP, Runner
-from services.tasks import encode_prompt
 from services.tasks.tiny_llama import SPECIAL_TOKENS
 from tests.helpers import eventually, serve, stream_messages
 

@@ -22,11 +22,11 @@ from services.common.config import JobSpec
 from services.common.jobs import RUNNING, JobStore
 from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2
 from services.common.streams import JobStreams
+from services.data import encode_prompt
 from services.reward.config import RewardSettings
 from services.reward.server import RewardServicer
 from services.runner.config import RunnerSettings
 from services.runner.server import Runner
-from services.tasks import encode_prompt
 from services.tasks.addition_model import build_char_tokenizer
 from tests.helpers import eventually, serve, stream_messages
 from tests.integration.rollout_helpers import (

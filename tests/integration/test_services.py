@@ -77,6 +77,21 @@ def test_grpc_service_lifecycle(
     assert "stopped" in output
 
 
+def test_controller_runs_as_its_own_process(python: str, python_env: dict[str, str], redis_url: str) -> None:
+    """`python -m services.controller`: gRPC health, its /metrics, a clean stop on SIGTERM."""
+    metrics_port = free_port()
+    env = {**python_env, "VERST_CONTROLLER_METRICS_PORT": str(metrics_port)}
+    proc, port = start(python, env, ["services.controller"], "VERST_CONTROLLER_PORT", redis_url)
+    try:
+        assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert "verst_controller_drivers 0.0" in metrics
+    finally:
+        code, output = stop(proc)
+    assert code == 0, output
+    assert "controller stopped" in output
+
+
 def test_api_lifecycle(python: str, python_env: dict[str, str], redis_url: str) -> None:
     proc, port = start(python, python_env, ["services.api"], "VERST_API_PORT", redis_url)
     try:

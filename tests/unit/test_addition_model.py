@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from services.data import encode_prompt
 from services.tasks import addition_model, ensure_builtin_model, resolve_model_path
 from services.tasks.addition import AdditionProblem, WarmupRecipe, carry_dropped_answer
 from services.tasks.addition_model import build_char_tokenizer
 from services.tasks.models import STAMP_FILE, Recipe, cached_model_paths, read_stamp
-from services.tasks.prompts import encode_prompt
 
 TINY = WarmupRecipe(
     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, steps=3, batch_size=8

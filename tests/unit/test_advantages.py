@@ -8,9 +8,9 @@ import statistics
 import pytest
 import torch
 
+from services.common.algorithms import ADVANTAGE_ESTIMATORS
 from services.trainer import advantages
 from services.trainer.advantages import (
-    ADVANTAGE_ESTIMATORS,
     EPS,
     TokenAdvantageInputs,
     get_advantage,

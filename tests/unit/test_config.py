@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from services.common.config import JobSpec, JobSpecError, load_job_spec, parse_job_spec
+from services.common.config import (
+    MOVED_ALGORITHM_KEYS,
+    AlgorithmConfig,
+    JobSpec,
+    JobSpecError,
+    load_job_spec,
+    parse_job_spec,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -108,3 +116,39 @@ def test_every_field_is_documented(section: type[BaseModel]) -> None:
 def test_json_round_trip_is_lossless() -> None:
     spec = load_job_spec(EXAMPLES / "addition.yaml")
     assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+@pytest.mark.parametrize(("old", "new"), MOVED_ALGORITHM_KEYS.items())
+def test_a_moved_algorithm_key_names_its_new_place(old: str, new: str) -> None:
+    errors = errors_of({"algorithm": {old: 1.0, "group_size": 4}})
+    assert errors == {f"algorithm.{old}": f"moved: use algorithm.{new}"}
+
+
+def test_every_moved_key_has_a_home_and_two_are_reported_together() -> None:
+    for new in MOVED_ALGORITHM_KEYS.values():
+        section, _, field = new.partition(".")
+        if field:  # `filters: [...]` is a list of sections
+            model = AlgorithmConfig.model_fields[section].annotation
+            assert any(f.alias == field or name == field for name, f in model.model_fields.items()), new
+    assert set(errors_of({"algorithm": {"gae_lambda": 0.9, "gspo_clip_low": 0.1, "group_size": 1}})) == {
+        "algorithm.gae_lambda",
+        "algorithm.gspo_clip_low",
+        "algorithm.group_size",  # the section's other errors come in the same report
+    }
+
+
+def test_nested_algorithm_settings_round_trip_through_json() -> None:
+    """`gae.lambda` is a Python keyword: the field is `lambda_`, read and written as `lambda`."""
+    filters = [{"type": "dynamic_sampling", "accuracy": "exact"}]
+    data = {"algorithm": {"advantage": "gae", "gae": {"lambda": 0.9, "value_clip": None},
+                          "gspo": {"clip_low": 0.01}, "filters": filters, "oversample": 0.5,
+                          "stale_policy": "downweight", "downweight": {"decay": 0.25}}}  # fmt: skip
+    spec = parse_job_spec(data)
+    assert (spec.algorithm.gae.lambda_, spec.algorithm.gae.value_clip) == (0.9, None)
+    text = spec.model_dump_json()
+    assert '"lambda":0.9' in text and "lambda_" not in text
+    assert parse_job_spec(json.loads(text)) == spec == JobSpec.model_validate_json(text)
+    assert parse_job_spec({"algorithm": {"gae": {"lambda_": 0.9}}}).algorithm.gae.lambda_ == 0.9
+    assert errors_of({"algorithm": {"gae": {"lambda": 2}}}) == {
+        "algorithm.gae.lambda": "Input should be less than or equal to 1"
+    }

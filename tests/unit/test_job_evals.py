@@ -1,4 +1,4 @@
-"""Which periodic evaluations are covered (services/api/job_evals.dues_without_result): an
+"""Which periodic evaluations are covered (services/controller/evaluation.dues_without_result): an
 evaluation made for due u of version v covers the dues u..v; a row without its due, its interval."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from services.common.config import parse_job_spec
 from services.controller import feed as job_feed
 from services.controller.feed import PromptFeed
-from services.tasks import DataError
+from services.data import DataError
 
 
 class CharTokenizer:

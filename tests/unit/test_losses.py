@@ -10,12 +10,10 @@ import random
 import pytest
 import torch
 
-from services.common.config import AlgorithmConfig
+from services.common.algorithms import POLICY_LOSSES
+from services.common.config import AlgorithmConfig, GspoConfig
 from services.trainer.batching import TrainSample, collate, pack_micro_batches, token_logprobs
 from services.trainer.losses import (
-    GSPO_CLIP_HIGH,
-    GSPO_CLIP_LOW,
-    POLICY_LOSSES,
     PolicyLossInputs,
     ValueLossInputs,
     gspo_token,
@@ -243,7 +241,9 @@ def gspo_reference(inputs: PolicyLossInputs, low: float, high: float) -> tuple[f
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
-@pytest.mark.parametrize(("low", "high", "spread"), [(0.2, 0.28, 0.8), (GSPO_CLIP_LOW, GSPO_CLIP_HIGH, 2e-3)])
+@pytest.mark.parametrize(
+    ("low", "high", "spread"), [(0.2, 0.28, 0.8), (GspoConfig().clip_low, GspoConfig().clip_high, 2e-3)]
+)
 def test_gspo_matches_the_sequence_level_formula(
     seed: int, aggregation: str, low: float, high: float, spread: float
 ) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common.config import RolloutConfig
+from services.data import encode_prompt
 from services.runner.episode import render_observation
 from services.runner.toolcalls import formats_of, parse_tool_calls
 from services.tasks import ensure_builtin_model, multiply_model, resolve_model_path
@@ -29,7 +30,6 @@ from services.tasks.multiply import (
     warmup_transcripts,
 )
 from services.tasks.multiply_model import END_OF_CALL, build_tool_tokenizer, tool_llama_config, warm_up_tools
-from services.tasks.prompts import encode_prompt
 from services.tasks.tiny_llama import generate_texts
 
 TINY = ToolRecipe(

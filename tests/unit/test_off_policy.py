@@ -12,14 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.algorithms import OFF_POLICY_CORRECTIONS, POLICY_LOSSES, TIS_DEFAULT_CAP
 from services.common.config import AlgorithmConfig, JobSpecError, parse_job_spec
 from services.trainer.batching import collate, token_logprobs
-from services.trainer.losses import POLICY_LOSSES, PolicyLossInputs, ppo_clip
+from services.trainer.losses import PolicyLossInputs, ppo_clip
 from services.trainer.objective import Totals, combine, micro_batch_loss
 from services.trainer.prepare import old_from_training_forward, prepare, proximal_from_forward
 from services.trainer.regularizers import (
-    OFF_POLICY_CORRECTIONS,
-    TIS_DEFAULT_CAP,
     decoupled_importance_weights,
 )
 from tests.unit.test_trainer_parts import FixedLogprobs, trajectory
@@ -67,7 +66,7 @@ def decoupled_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, a
                    mask: torch.Tensor, algorithm: AlgorithmConfig) -> torch.Tensor:  # fmt: skip
     """The trainer's composition: the correction's weights times the token-mean weights, into ppo_clip."""
     correction = OFF_POLICY_CORRECTIONS.get(algorithm.off_policy_correction)
-    weights = correction.fn(prox, behav, mask, algorithm.behaviour_weight_cap).weights
+    weights = correction.fn(prox, behav, mask, algorithm.decoupled.cap).weights
     mean = mask.double() / mask.sum()
     return ppo_clip(PolicyLossInputs(new, prox, adv, mask, mean * weights), algorithm).loss
 
@@ -77,7 +76,7 @@ def decoupled_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, a
 def test_decoupled_ppo_matches_the_papers_formula(seed: int, low: float, high: float, cap: float) -> None:
     new, prox, behav, adv, mask = three_policies(seed)
     new = new.clone().requires_grad_(True)
-    algorithm = AlgorithmConfig(clip_low=low, clip_high=high, behaviour_weight_cap=cap)
+    algorithm = AlgorithmConfig(clip_low=low, clip_high=high, decoupled={"cap": cap})
     assert algorithm.off_policy_correction == "decoupled"  # the default
     loss = decoupled_loss(new, prox, behav, adv, mask, algorithm)
     loss.backward()
@@ -124,13 +123,13 @@ def test_every_correction_weighs_from_the_same_ratio() -> None:
 
 def test_tis_cap_selects_tis_and_belongs_to_it() -> None:
     assert parse_job_spec({}).algorithm.off_policy_correction == "decoupled"
-    assert parse_job_spec({"algorithm": {"tis_cap": 3.0}}).algorithm.off_policy_correction == "tis"
+    assert parse_job_spec({"algorithm": {"tis": {"cap": 3.0}}}).algorithm.off_policy_correction == "tis"
     tis = parse_job_spec({"algorithm": {"off_policy_correction": "tis"}})
-    assert tis.algorithm.tis_cap is None and TIS_DEFAULT_CAP == 2.0
-    with pytest.raises(JobSpecError, match="tis_cap is the cap of off_policy_correction 'tis', not 'none'"):
-        parse_job_spec({"algorithm": {"tis_cap": 3.0, "off_policy_correction": "none"}})
-    with pytest.raises(JobSpecError, match="behaviour_weight_cap"):
-        parse_job_spec({"algorithm": {"behaviour_weight_cap": 1.0}})  # > 1, as AReaL requires
+    assert tis.algorithm.tis.cap is None and TIS_DEFAULT_CAP == 2.0
+    with pytest.raises(JobSpecError, match=r"tis\.cap is the cap of off_policy_correction 'tis', not 'none'"):
+        parse_job_spec({"algorithm": {"tis": {"cap": 3.0}, "off_policy_correction": "none"}})
+    with pytest.raises(JobSpecError, match=r"algorithm.decoupled.cap: .*greater than 1"):
+        parse_job_spec({"algorithm": {"decoupled": {"cap": 1.0}}})  # > 1, as AReaL requires
 
 
 class CountingLogprobs(FixedLogprobs):
@@ -161,7 +160,7 @@ def test_one_pass_skips_the_old_logprob_forward_whatever_the_tokens_versions() -
         (fresh_groups(), step_spec()),
         (one_stale, step_spec()),
         (no_versions, step_spec()),
-        (fresh_groups(), step_spec(algorithm={"tis_cap": 2.0})),
+        (fresh_groups(), step_spec(algorithm={"tis": {"cap": 2.0}})),
         (fresh_groups(), step_spec(algorithm={"off_policy_correction": "none"})),
     ]:
         source = CountingLogprobs(behaviour)

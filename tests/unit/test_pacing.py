@@ -30,6 +30,8 @@ def plan(**values: int) -> Issue:
         "trainer_version": 0,
         "max_staleness": 1,
         "steps": 4,
+        "prompts_per_step": 8,
+        "oversample": 0.0,
     }
     return plan_issue(**(defaults | values))
 

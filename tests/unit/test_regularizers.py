@@ -10,9 +10,8 @@ import random
 import pytest
 import torch
 
+from services.common.algorithms import KL_ESTIMATORS, STALE_POLICIES
 from services.trainer.regularizers import (
-    KL_ESTIMATORS,
-    STALE_POLICIES,
     entropy_bonus,
     kl_loss,
     kl_reward_penalty,

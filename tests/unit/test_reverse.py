@@ -20,12 +20,12 @@ from bench.e2e_trl import trl_config
 from bench.e2e_verst import job_spec
 from services.common.config import parse_job_spec
 from services.common.pb import reward_pb2
+from services.data import encode_prompt
 from services.reward.config import RewardSettings
 from services.reward.server import RewardServicer
 from services.reward.verifiers import VERIFIER_REGISTRY, VERIFIERS
 from services.tasks import builtin_model, ensure_builtin_model, get_task
 from services.tasks.models import read_stamp
-from services.tasks.prompts import encode_prompt
 from services.tasks.reverse import (
     REVERSE_EVAL_SIZE,
     ReverseProblem,

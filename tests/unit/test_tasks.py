@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 
 from services.common.config import DataConfig
-from services.tasks import (
-    TASKS,
+from services.data import (
     DataError,
     PromptExample,
     PromptTooLongError,
     encode_prompt,
     eval_prompts,
-    get_task,
     read_jsonl_prompts,
     train_prompts,
 )
+from services.tasks import TASKS, get_task
 from services.tasks.addition import (
     ADDITION_EVAL_SIZE,
     AdditionProblem,

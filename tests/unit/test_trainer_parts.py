@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.common.algorithms import POLICY_LOSSES
 from services.common.bus import Bus, Delivery
 from services.common.config import AlgorithmConfig, JobSpec, JobSpecError, TrainerConfig, parse_job_spec
 from services.common.pb import common_pb2
@@ -22,7 +23,6 @@ from services.trainer.batching import TrainSample, collate, token_logprobs
 from services.trainer.checkpoints import CheckpointStore
 from services.trainer.collector import Group, GroupCollector, Outcome, TrainedWindow
 from services.trainer.lineage import Lineage
-from services.trainer.losses import POLICY_LOSSES
 from services.trainer.objective import StepStats, Totals, micro_batch_loss, optimiser_step_plan
 from services.trainer.policy import learning_rate_schedule, weights_state, write_weights_file
 from services.trainer.prepare import prepare
@@ -303,7 +303,7 @@ def test_prepare_broadcasts_outcome_advantages_and_measures_the_mismatch() -> No
     groups = groups_of([[1.0, 0.0], [0.0, 0.0]], [[3, 3], [3, 3]])
     # behaviour logprobs are [-1, -2]; the trainer sees -1 + log 3 on the first token of sample 0.
     old = [[-1.0 + math.log(3.0), -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]]
-    prepared = prepare(groups, spec_with(tis_cap=2.0), 3, FixedLogprobs(old), recompute_old=True)
+    prepared = prepare(groups, spec_with(tis={"cap": 2.0}), 3, FixedLogprobs(old), recompute_old=True)
     first = prepared.samples[0]
     assert first.advantage == pytest.approx([0.7071, 0.7071], abs=1e-3)  # grpo, broadcast
     assert first.old_logprobs == old[0] and first.is_weights == pytest.approx([2.0, 1.0])
@@ -315,7 +315,7 @@ def test_prepare_broadcasts_outcome_advantages_and_measures_the_mismatch() -> No
     off = prepare(stale, spec_with(off_policy_correction="none"), 3, FixedLogprobs(old), recompute_old=True)
     assert off.samples[0].is_weights is None and off.importance_capped_fraction == 0.0
     assert off.mismatch_kl == prepared.mismatch_kl  # measured without a correction too
-    decoupled = prepare(stale, spec_with(behaviour_weight_cap=2.5), 3, FixedLogprobs(old), recompute_old=True)
+    decoupled = prepare(stale, spec_with(decoupled={"cap": 2.5}), 3, FixedLogprobs(old), recompute_old=True)
     assert decoupled.samples[0].is_weights == pytest.approx([0.0, 1.0])  # 3 > 2.5: left out
     assert decoupled.importance_capped_fraction == 1 / 8
 
@@ -324,7 +324,10 @@ def test_prepare_downweights_or_drops_stale_samples_and_counts_them() -> None:
     groups = groups_of([[1.0, 0.0], [0.0, 1.0]], [[5, 5], [2, 4]])
     old = [[-1.0, -2.0]] * 4
     down = prepare(
-        groups, spec_with(max_staleness=1, stale_policy="downweight", stale_decay=0.5), 5, FixedLogprobs(old)
+        groups,
+        spec_with(max_staleness=1, stale_policy="downweight", downweight={"decay": 0.5}),
+        5,
+        FixedLogprobs(old),
     )
     assert [s.weight for s in down.samples] == [1.0, 1.0, 0.25, 1.0]  # lag 3 is 2 beyond the bound
     assert (down.stale_downweighted, down.stale_dropped) == (1, 0)
@@ -353,7 +356,7 @@ def test_prepare_folds_the_kl_into_token_rewards_for_reinforce_pp() -> None:
 def test_prepare_gives_gae_whitened_advantages_and_the_critics_targets() -> None:
     groups = groups_of([[1.0, 0.0]], [[0, 0]])
     values = [[0.5, 0.5], [0.1, 0.2]]
-    spec = spec_with(advantage="gae", gamma=1.0, gae_lambda=1.0)
+    spec = spec_with(advantage="gae", gamma=1.0, gae={"lambda": 1.0})
     prepared = prepare(groups, spec, 0, FixedLogprobs([[-1.0, -2.0]] * 2), critic=FixedLogprobs(values))  # type: ignore[arg-type]
     first, second = prepared.samples
     assert first.returns == [1.0, 1.0] and second.returns == [0.0, 0.0]  # lambda 1: returns = rewards

@@ -135,7 +135,7 @@ class PromptTask(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_epoch: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at", "stages")
+    __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at", "stages", "verifier_reward")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_REWARD_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     prompt_id: str
@@ -192,7 +193,8 @@ class Trajectory(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
     stages: StageTimes
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_turns: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., engine_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stages: _Optional[_Union[StageTimes, _Mapping]] = ...) -> None: ...
+    verifier_reward: float
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_turns: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., engine_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stages: _Optional[_Union[StageTimes, _Mapping]] = ..., verifier_reward: _Optional[float] = ...) -> None: ...
 
 class StageTimes(_message.Message):
     __slots__ = ("issued", "picked", "generated", "scored", "published")
@@ -326,14 +328,16 @@ class Metric(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., source: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GroupsDropped(_message.Message):
-    __slots__ = ("stale", "invalid", "zero_variance")
+    __slots__ = ("stale", "invalid", "zero_variance", "filtered")
     STALE_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
     ZERO_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FIELD_NUMBER: _ClassVar[int]
     stale: int
     invalid: int
     zero_variance: int
-    def __init__(self, stale: _Optional[int] = ..., invalid: _Optional[int] = ..., zero_variance: _Optional[int] = ...) -> None: ...
+    filtered: int
+    def __init__(self, stale: _Optional[int] = ..., invalid: _Optional[int] = ..., zero_variance: _Optional[int] = ..., filtered: _Optional[int] = ...) -> None: ...
 
 class TrainerSignal(_message.Message):
     __slots__ = ("job_id", "policy_version", "time", "groups_dropped")

@@ -1,0 +1,34 @@
+"""verst's data layer: prompts, where they come from, and the one prompt encoding.
+
+The public API, importable without torch::
+
+    from services.data import train_prompts, eval_prompts, encode_prompt, PromptExample
+
+Modules: ``prompts`` (``PromptExample``, ``encode_prompt``, ``DataError``,
+``PromptTooLongError``), ``sources`` (the data-source contract and the ``DATA_SOURCES``
+registry ``data.source`` names), ``splits`` (a job's train and eval prompts through its source)
+and ``jsonl`` (the JSONL source). The toy tasks' source, ``builtin``, lives with the tasks
+(``services/tasks/catalog.py``); this package never imports them.
+"""
+
+from services.data.jsonl import read_jsonl_prompts
+from services.data.prompts import DataError, PromptExample, PromptTokenizer, PromptTooLongError, encode_prompt
+from services.data.sources import DATA_SOURCES, DataSource, SourceRequest, Split, check_options
+from services.data.splits import eval_prompts, source_of, train_prompts
+
+__all__ = [
+    "DATA_SOURCES",
+    "DataError",
+    "DataSource",
+    "PromptExample",
+    "PromptTokenizer",
+    "PromptTooLongError",
+    "SourceRequest",
+    "Split",
+    "check_options",
+    "encode_prompt",
+    "eval_prompts",
+    "read_jsonl_prompts",
+    "source_of",
+    "train_prompts",
+]
