@@ -10,18 +10,25 @@ TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 STAMP := $(VENV)/.verst-installed
 PYTEST_ARGS ?=
+# The Node.js reward server example (and its test) needs node and npm; its packages come from its lock file.
+NODE_EXAMPLE := examples/reward_server_node
+NPM ?= npm
 
 .PHONY: setup test test-fast lint demo up proto bench clean
 
 setup: $(STAMP)
 
-# Reinstalls when pyproject.toml changes. --no-build-isolation: sdists (deepspeed)
-# build against the torch already installed instead of downloading another one.
-$(STAMP): pyproject.toml
+# Reinstalls when pyproject.toml or the Node example's lock file changes. --no-build-isolation:
+# sdists (deepspeed) build against the torch already installed instead of downloading another one.
+$(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
+	@command -v node >/dev/null && command -v $(NPM) >/dev/null || { \
+	  echo "make: node and npm are required (the Node.js reward server in $(NODE_EXAMPLE) and its test):" \
+	    "install nodejs 18 or newer and npm, e.g. apt-get install nodejs npm" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet $(TORCH_SPEC) $(TORCH_PIP_ARGS)
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	$(NPM) ci --prefix $(NODE_EXAMPLE) --no-audit --no-fund --loglevel=error >/dev/null
 	@touch $@
 
 test: $(STAMP) lint
@@ -50,4 +57,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/trainer.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info $(NODE_EXAMPLE)/node_modules

@@ -1,20 +1,28 @@
-"""Helpers the tests share: an in-process gRPC server on a loopback port, polling until something
-holds, the messages on a stream, and a servicer context for direct calls."""
+"""Helpers the tests share: an in-process gRPC server on a loopback port, a server process on a
+free loopback port and waiting for its gRPC health, polling until something holds, the messages on
+a stream, and a servicer context for direct calls."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.bus import DATA_FIELD, Bus
+from services.common.grpc_client import channel
+from services.common.redis_server import free_port
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
+ROOT = Path(__file__).resolve().parent.parent
+SERVING_DEADLINE_S = 20.0
+"""How long a server process started by a test may take to report SERVING."""
 
 
 async def serve(register: Callable[[grpc.aio.Server], object], port: int = 0) -> tuple[grpc.aio.Server, str]:
@@ -25,6 +33,51 @@ async def serve(register: Callable[[grpc.aio.Server], object], port: int = 0) ->
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{bound}"
+
+
+def start_server_process(command: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """``command --host 127.0.0.1 --port N`` started in the repository root, N a free port, its
+    stdout and stderr together in one pipe; the process and its address."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+async def wait_serving(
+    address: str,
+    service: str,
+    proc: subprocess.Popen[str] | None = None,
+    timeout_s: float = SERVING_DEADLINE_S,
+) -> None:
+    """Poll the gRPC health of ``service`` at ``address`` until it is SERVING; the test fails after
+    ``timeout_s``, or at once with the process's output when ``proc`` ends first."""
+    request = health_pb2.HealthCheckRequest(service=service)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with channel(address) as client:
+        stub = health_pb2_grpc.HealthStub(client)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                output = proc.stdout.read() if proc.stdout is not None else ""
+                raise AssertionError(f"{proc.args} exited with {proc.returncode} before serving:\n{output}")
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                what = service or "the server"
+                raise AssertionError(f"{address} did not report {what} SERVING within {timeout_s}s")
+            try:
+                reply = await stub.Check(request, timeout=min(1.0, left))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+            await asyncio.sleep(0.05)
 
 
 async def eventually(probe: Callable[[], Awaitable[T]], what: str = "", timeout_s: float = 10.0) -> T:

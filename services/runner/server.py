@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 GROUP = RUNNERS_GROUP
 POLL_BLOCK_MS = 500
 """How long one read of a prompts stream waits for a task."""
+STRATEGY_KEY = "rollout_strategy"
+"""Trajectory metadata key naming the rollout strategy that made it."""
 KEEPALIVES_PER_RECLAIM = 5
 """Tasks in flight have their idle time reset at least this many times per reclaim_idle_ms."""
 MAX_KEEPALIVE_S = 1.0
@@ -228,6 +230,8 @@ class Runner:
         clients = await self._clients(loop)
         trajectories = await strategy.fn(task, clients)
         check_trajectories(strategy.name, task, trajectories)
+        for trajectory in trajectories:  # provenance: which strategy made it
+            trajectory.metadata[STRATEGY_KEY] = strategy.name
         budget = task.sampling.max_new_tokens or spec.rollout.max_new_tokens
         shape_rewards(trajectories, shapings, task, max_new_tokens=budget, tokenizer=clients.tokenizer)
         return trajectories

@@ -67,6 +67,8 @@ class Prepared:
     """The samples to train on (stale ones dropped under ``drop``)."""
     rewards: list[float]
     """The outcome reward of every sample of the groups, dropped ones included."""
+    verifier_rewards: list[float]
+    """The reward service's reward of each, before the job's reward shaping (as ``rewards``)."""
     lags: list[int]
     """Each sample's version lag, dropped ones included."""
     stale_dropped: int
@@ -231,6 +233,7 @@ def prepare(
     return Prepared(
         samples=kept,
         rewards=rewards.flatten().tolist(),
+        verifier_rewards=[t.verifier_reward for group in groups for t in group],
         lags=lags,
         stale_dropped=staleness.dropped,
         stale_downweighted=staleness.downweighted,

@@ -85,6 +85,7 @@ def step_metric_values(
         **prepared.metrics(),
         "reward_mean": statistics.fmean(prepared.rewards),
         "reward_std": statistics.pstdev(prepared.rewards),
+        "verifier_reward_mean": statistics.fmean(prepared.verifier_rewards),
         "response_tokens": float(sum(len(s.response_token_ids) for s in prepared.samples)),
         "groups_filtered": float(sum(drops.filtered.values())),
         **{f"groups_filtered/{label}": float(count) for label, count in drops.filtered.items()},

@@ -227,3 +227,24 @@ async def test_the_service_process_scores(python: str, python_env: dict[str, str
         code, output = stop(proc)
     assert [(r.reward, r.error) for r in reply.results] == [(1.0, ""), (0.0, ""), (1.0, ""), (0.5, "")]
     assert code == 0, output
+
+
+async def test_the_reward_recipe_scores_through_the_service(roomy_stub: reward_pb2_grpc.RewardStub) -> None:
+    """docs/extending.md's reward function, named by its module:function, scored by the service."""
+    name = "examples.plugins.reward:close_enough"
+    check = await roomy_stub.CheckVerifier(reward_pb2.CheckVerifierRequest(verifier=name), timeout=DEADLINE_S)
+    assert check.ok, check.error
+    items = [
+        request("the sum is 132", "132", name),
+        request("130", "132", name),
+        request("none", "132", name),
+    ]
+    reply = await roomy_stub.ScoreBatch(reward_pb2.ScoreBatchRequest(items=items), timeout=DEADLINE_S)
+    exact, close, missing = reply.results
+    assert (exact.reward, dict(exact.components), exact.info["parsed"]) == (
+        1.0,
+        {"parsed": 1.0, "exact": 1.0},
+        "132",
+    )
+    assert close.reward == pytest.approx(1 / (1 + 2 / 132)) and close.components["exact"] == 0.0
+    assert (missing.reward, missing.error, missing.info["why"]) == (0.0, "", "no number")

@@ -11,10 +11,8 @@ runner's default address, never sees an item of the swapped job.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -24,72 +22,25 @@ from services.common.bus import Bus
 from services.common.grpc_client import channel
 from services.common.jobs import JobStore
 from services.common.pb import reward_pb2, reward_pb2_grpc, router_pb2_grpc
-from services.common.redis_server import free_port
-from services.reward.config import RewardSettings
-from services.reward.server import RewardServicer
 from services.runner.config import RunnerSettings
 from services.runner.server import Runner
-from tests.helpers import eventually, serve
-from tests.integration.fake_services import FakeRouter, running_job, trajectories
+from tests.helpers import ROOT, eventually, serve, start_server_process, wait_serving
+from tests.integration.fake_services import CountingReward, FakeRouter, running_job, trajectories
 from tests.integration.test_services import stop
 
-ROOT = Path(__file__).resolve().parents[2]
-START_DEADLINE_S = 20.0
+SERVICE = "verst.v1.Reward"
 PARTIAL_CREDIT = {"digits_right", "length_penalty", "exact"}
 """The components of examples/reward_server's rule."""
 BUILTIN = {"correct", "format"}
 """The components of verst's addition verifier."""
 
 
-class CountingReward(RewardServicer):
-    """verst's reward servicer, recording the job of every item it scores."""
-
-    def __init__(self) -> None:
-        super().__init__(RewardSettings(port=0, tools_enabled=False))
-        self.jobs: list[str] = []
-
-    async def score(self, request: reward_pb2.ScoreRequest, timeout_s: float | None = None) -> Any:
-        self.jobs.append(request.job_id)
-        return await super().score(request, timeout_s)
-
-
-def start_example(python: str, env: dict[str, str], command: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """The example server as its own process, on a free loopback port."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [python, *command, "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return proc, f"127.0.0.1:{port}"
-
-
-async def wait_serving(address: str) -> None:
-    async with channel(address) as client:
-        check = health_pb2.HealthCheckRequest(service="verst.v1.Reward")
-        status = await health_pb2_grpc.HealthStub(client).Check(
-            check, timeout=START_DEADLINE_S, wait_for_ready=True
-        )
-    assert status.status == health_pb2.HealthCheckResponse.SERVING
-
-
 @pytest.fixture
 def example_server(python: str, python_env: dict[str, str]) -> Iterator[str]:
-    proc, address = start_example(python, python_env, ["-m", "examples.reward_server"])
+    proc, address = start_server_process([python, "-m", "examples.reward_server"], python_env)
     yield address
     code, output = stop(proc)
     assert code == 0 and "stopped" in output, output
-
-
-@pytest.fixture
-async def builtin_reward() -> AsyncIterator[tuple[CountingReward, str]]:
-    servicer = CountingReward()
-    server, address = await serve(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(servicer, s))
-    yield servicer, address
-    await server.stop(None)
 
 
 @pytest.fixture
@@ -107,7 +58,7 @@ async def test_a_job_scored_by_the_reward_server_its_spec_names(
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     builtin, builtin_address = builtin_reward
-    await wait_serving(example_server)
+    await wait_serving(example_server, SERVICE)
     router = FakeRouter(tokenizer)
     router_server, router_address = await serve(
         lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s)
@@ -156,11 +107,11 @@ async def test_a_job_scored_by_the_reward_server_its_spec_names(
 
 
 async def test_the_example_runs_as_a_script(python: str, python_env: dict[str, str]) -> None:
-    proc, address = start_example(
-        python, python_env, [str(ROOT / "examples" / "reward_server" / "server.py")]
+    proc, address = start_server_process(
+        [python, str(ROOT / "examples" / "reward_server" / "server.py")], python_env
     )
     try:
-        await wait_serving(address)
+        await wait_serving(address, SERVICE, proc)
         async with channel(address) as client:
             reply = await reward_pb2_grpc.RewardStub(client).Score(
                 reward_pb2.ScoreRequest(response_text="2310", answer="231"), timeout=5
