@@ -32,7 +32,7 @@ from services.common.algorithms import GROUP_FILTERS
 from services.common.pb import common_pb2
 
 if TYPE_CHECKING:
-    from services.common.config import GroupFilterConfig
+    from services.common.algorithm_config import GroupFilterConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from services.common.algorithm_config import MOVED_ALGORITHM_KEYS
 from services.common.config import (
-    MOVED_ALGORITHM_KEYS,
     AlgorithmConfig,
     JobSpec,
     JobSpecError,

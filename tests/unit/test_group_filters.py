@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from services.common.config import GroupFilterConfig, JobSpecError, parse_job_spec
+from services.common.algorithm_config import GroupFilterConfig
+from services.common.config import JobSpecError, parse_job_spec
 from services.common.pb import common_pb2
 from services.common.plugins import PluginError
 from services.trainer.filters import (

@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
+from services.common.algorithm_config import GspoConfig
 from services.common.algorithms import POLICY_LOSSES
-from services.common.config import AlgorithmConfig, GspoConfig
+from services.common.config import AlgorithmConfig
 from services.trainer.batching import TrainSample, collate, pack_micro_batches, token_logprobs
 from services.trainer.losses import (
     PolicyLossInputs,
