@@ -59,20 +59,20 @@ def declared_traits(fn: Any) -> dict[str, Any]:
     return dict(getattr(fn, TRAITS_ATTRIBUTE, {}))
 
 
-def load_function(path: str, *, what: str = "plug-in") -> Callable[..., Any]:
+def load_function(path: str) -> Callable[..., Any]:
     """The callable ``module:function`` names; ``PluginError`` saying why it cannot be had."""
     if PLUGIN_PATH.fullmatch(path) is None:
-        raise PluginError(f"{what} {path!r} is not module:function")
+        raise PluginError(f"{path!r} is not module:function")
     module_name, function = path.split(":")
     if module_name.split(".")[0] in REFUSED_PACKAGES:
-        raise PluginError(f"{what} {path!r} may not come from the standard library or verst itself")
+        raise PluginError(f"{path!r} may not come from the standard library or verst itself")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise PluginError(f"{what} {path!r}: cannot import {module_name!r}: {err}") from None
+        raise PluginError(f"cannot import {module_name!r}: {err}") from None
     target = getattr(module, function, None)
     if target is None:
-        raise PluginError(f"{what} {path!r}: module {module_name!r} has no {function!r}")
+        raise PluginError(f"module {module_name!r} has no {function!r}")
     if not callable(target):
-        raise PluginError(f"{what} {path!r} is not callable")
+        raise PluginError(f"{path} is not callable")
     return target

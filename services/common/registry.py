@@ -109,7 +109,10 @@ class Registry(Generic[E]):
             return self.get(name)
         entry = self._plugins.get(name)
         if entry is None:
-            fn = load_function(name, what=f"{self.field} ({self.kind})")
+            try:
+                fn = load_function(name)
+            except PluginError as err:
+                raise PluginError(f"{self.field} ({self.kind}) {name!r}: {err}") from None
             declared = declared_traits(fn)
             unknown = set(declared) - self.traits
             if unknown:
@@ -149,16 +152,10 @@ class Registry(Generic[E]):
         unknown = set(traits) - self.traits
         if unknown:
             raise ValueError(f"{self.kind} entries have no traits {sorted(unknown)}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self.entry)}
-        declared = {
-            name: {trait: getattr(entry, trait) for trait in self.traits}
-            for name, entry in self._entries.items()
-        }
-        declared |= {name: {**defaults, **lazy_traits} for name, (_, lazy_traits) in self._lazy.items()}
         return frozenset(
             name
-            for name, values in declared.items()
-            if all(values[trait] == value for trait, value in traits.items())
+            for name in self.names()
+            if all(self.declared(name)[trait] == value for trait, value in traits.items())
         )
 
     def __contains__(self, name: object) -> bool:

@@ -23,21 +23,19 @@ packages, and ``VERST_REWARD_PLUGINS_ENABLED=false`` turns them off.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, Required, TypedDict
 
 from services.common.pb import reward_pb2
+from services.common.plugins import REFUSED_PACKAGES, load_function
+from services.common.plugins import PluginError as LoadError
 
 PLUGIN_NAME = re.compile(r"^[\w.]+:\w+$")
 """``module:function``, as ``RewardConfig.plugin`` validates it."""
-REFUSED_PACKAGES = frozenset(sys.stdlib_module_names) | {"services"}
-"""Top-level packages a plugin may not come from: the standard library and verst itself."""
 
 PluginResult = tuple[float, dict[str, float], dict[str, str]]
 """(reward, components, info), as ``verifiers.VerifierResult``."""
@@ -146,14 +144,9 @@ class Plugins:
 
 def _import(module: str, function: str) -> RewardPlugin:
     try:
-        imported = importlib.import_module(module)
-    except ImportError as err:
-        raise PluginError(f"cannot import {module!r}: {err}") from None
-    target = getattr(imported, function, None)
-    if target is None:
-        raise PluginError(f"module {module!r} has no {function!r}")
-    if not callable(target):
-        raise PluginError(f"{module}:{function} is not callable")
+        target = load_function(f"{module}:{function}")
+    except LoadError as err:
+        raise PluginError(str(err)) from None
     try:
         inspect.signature(target).bind(reward_pb2.ScoreRequest())
     except TypeError as err:

@@ -65,13 +65,15 @@ def plugin_job(tmp_path: Path) -> dict[str, Any]:
     return spec
 
 
-def issued_prompt_ids(redis_url: str, job_id: str) -> list[str]:
+def issued_source_ids(redis_url: str, job_id: str) -> list[str]:
+    """The data source's own id of each issued prompt (the feed keeps it in the task's metadata)."""
     client = redis.Redis.from_url(redis_url)
     try:
         entries = client.xrange(JobStreams(job_id).prompts)
     finally:
         client.close()
-    return [common_pb2.PromptTask.FromString(fields[DATA_FIELD]).prompt_id for _, fields in entries]
+    tasks = [common_pb2.PromptTask.FromString(fields[DATA_FIELD]) for _, fields in entries]
+    return [task.metadata["source_prompt_id"] for task in tasks]
 
 
 def test_a_job_runs_a_users_plugin_at_every_plugin_point(tmp_path: Path) -> None:
@@ -91,7 +93,7 @@ def test_a_job_runs_a_users_plugin_at_every_plugin_point(tmp_path: Path) -> None
         job = wait_for_end(stack.api_url, job_id, stack)
         history = job_history(stack.api_url, job_id)
         trajectories = published_trajectories(stack.redis_url, job_id)
-        prompt_ids = issued_prompt_ids(stack.redis_url, job_id)
+        prompt_ids = issued_source_ids(stack.redis_url, job_id)
     assert job["state"] == "JOB_STATE_SUCCEEDED", (job, time.monotonic() - started)
     assert job["policy_version"] == 6
 
