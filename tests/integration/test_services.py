@@ -20,7 +20,8 @@ GRPC_SERVICES = [
     (["services.rollout"], "VERST_ENGINE_PORT"),
     (["services.runner"], "VERST_RUNNER_PORT"),
 ]
-DEADLINE_S = 30.0
+DEADLINE_S = 120.0
+"""How long a process may take to serve health: the trainer imports DeepSpeed, slow on a busy 2-core host."""
 
 
 def start(
