@@ -45,7 +45,8 @@ FAST_SETTINGS: dict[str, Any] = {
     "trajectory_reclaim_idle_ms": 5000,
 }
 CPU = torch.device("cpu")
-DEADLINE_S = 90.0
+DEADLINE_S = 180.0
+"""A trainer process imports DeepSpeed before its first checkpoint: a minute or more on a busy 2-core host."""
 
 
 # -- a tiny model -------------------------------------------------------------------------
