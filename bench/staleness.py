@@ -31,7 +31,8 @@ from bench.e2e_tasks import BENCH_TASKS, BenchTask, get_bench_task
 from services.common.config import JobSpec, parse_job_spec
 from services.common.pb import common_pb2
 from services.data import encode_prompt, eval_prompts, train_prompts
-from services.tasks import Task, get_task, resolve_model_path
+from services.models import resolve_model_path
+from services.tasks import Task, get_task
 from services.tasks.tiny_llama import generate_texts
 from services.trainer.batching import token_logprobs
 from services.trainer.policy import Policy, init_distributed

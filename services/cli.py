@@ -1,4 +1,4 @@
-"""The `verst` command: up, submit, status, demo."""
+"""The `verst` command: up, submit, status, export, demo."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from services.client import get_job, list_jobs, submit
-from services.common.config import JobSpecError
+from services.client import export_job, get_job, list_jobs, submit
+from services.common.config import JobSpec, JobSpecError
 
 DEFAULT_API = os.environ.get("VERST_API_URL", "http://127.0.0.1:8000")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +70,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A saved version of a job as a Hugging Face directory, written here (the job's checkpoint
+    directory must be readable here) or, with --on-api, by the api on its host."""
+    from services.common.export import ExportError, export_version
+
+    merge = not args.adapter
+    if args.on_api:
+        done = export_job(args.api, args.job, args.out_dir, version=args.version, merge=merge)
+        where = f"{done['kind']} in {done['out_dir']}"
+        print(f"v{done['version']} (epoch {done['epoch']}) of {done['job_id']}: {where}")
+        return 0
+    trust = False
+    if args.checkpoint_dir is not None:
+        root = Path(args.checkpoint_dir)
+    else:
+        spec = JobSpec.model_validate(get_job(args.api, args.job)["spec"])
+        root, trust = Path(spec.trainer.checkpoint_dir), spec.model.trust_remote_code
+    try:
+        exported = export_version(
+            root, args.job, Path(args.out_dir), version=args.version, merge=merge, trust_remote_code=trust
+        )
+    except (LookupError, ExportError) as err:
+        print(f"verst export: {err}", file=sys.stderr)
+        return 1
+    print(
+        f"v{exported.version} (epoch {exported.epoch}) of {args.job}: {exported.kind} in {exported.directory}"
+    )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from services.demo import run_demo
 
@@ -101,6 +131,32 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("job", nargs="?", help="job id")
     status.add_argument("--api", default=DEFAULT_API, help="api base URL (env VERST_API_URL)")
     status.set_defaults(run=cmd_status)
+
+    export = commands.add_parser(
+        "export", help="write a saved version of a job as a Hugging Face directory (model or LoRA adapter)"
+    )
+    export.add_argument("job", help="job id")
+    export.add_argument("out_dir", help="directory to write (new or empty)")
+    export.add_argument(
+        "--version", type=int, default=None, help="policy version (default: the newest saved)"
+    )
+    how = export.add_mutually_exclusive_group()
+    how.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA jobs: the base model with the adapter merged in (the default)",
+    )
+    how.add_argument(
+        "--adapter", action="store_true", help="LoRA jobs: the adapter alone, for PeftModel.from_pretrained"
+    )
+    export.add_argument(
+        "--checkpoint-dir", default=None, help="the job's trainer.checkpoint_dir (default: ask the api)"
+    )
+    export.add_argument(
+        "--on-api", action="store_true", help="let the api write it, on its host (out_dir absolute there)"
+    )
+    export.add_argument("--api", default=DEFAULT_API, help="api base URL (env VERST_API_URL)")
+    export.set_defaults(run=cmd_export)
 
     demo = commands.add_parser("demo", help="run the default job end to end on this machine")
     demo.add_argument("--spec", default=str(DEFAULT_SPEC), help="job spec to run")

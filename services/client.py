@@ -14,7 +14,10 @@ import httpx
 from services.common.config import load_job_spec
 from services.common.jobs import TERMINAL_STATES
 
-__all__ = ["TERMINAL_STATES", "auth_headers", "get_job", "job_history", "list_jobs", "submit"]
+EXPORT_TIMEOUT_S = 3600.0
+"""An export merges and writes a whole model: minutes for a large one."""
+
+__all__ = ["TERMINAL_STATES", "auth_headers", "export_job", "get_job", "job_history", "list_jobs", "submit"]
 
 
 def auth_headers() -> dict[str, str]:
@@ -51,6 +54,20 @@ def list_jobs(api: str) -> list[dict[str, Any]]:
     response.raise_for_status()
     jobs = response.json()
     return jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
+
+
+def export_job(
+    api: str, job_id: str, out_dir: str, *, version: int | None = None, merge: bool = True
+) -> dict[str, Any]:
+    """Ask the api to write a saved version of the job to ``out_dir`` on its host (POST
+    /v1/jobs/{id}/export); exits with the api's reason when it refuses."""
+    body = {"out_dir": out_dir, "version": version, "merge": merge}
+    response = httpx.post(
+        f"{api}/v1/jobs/{job_id}/export", json=body, headers=auth_headers(), timeout=EXPORT_TIMEOUT_S
+    )
+    if response.status_code != 200:
+        raise SystemExit(f"verst export: {response.status_code} {response.text}")
+    return response.json()
 
 
 def job_history(api: str, job_id: str) -> list[dict[str, Any]]:

@@ -75,7 +75,7 @@ def follow(stack: Stack, job_id: str, steps: int) -> dict[str, Any]:
 def prepare_model(model_path: str) -> None:
     """Build (or find cached) the builtin base model before the services need it."""
     if model_path.startswith("builtin:"):
-        from services.tasks import resolve_model_path
+        from services.models import resolve_model_path
 
         print(f"base model {model_path}: {resolve_model_path(model_path)}", flush=True)
 

@@ -137,8 +137,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(path: Path, update: WeightUpdate, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """A model of the checkpoint's architecture holding the verified tensors of ``update``."""
+def build_model(
+    path: Path, update: WeightUpdate, *, device: torch.device, dtype: torch.dtype | None
+) -> LoadedModel:
+    """A model of the checkpoint's architecture holding the verified tensors of ``update``, in
+    ``dtype`` (None: the dtype the checkpoint's weights were saved in)."""
+    if dtype is None:
+        floating = (t.dtype for t in (update.state_dict or {}).values() if t.is_floating_point())
+        dtype = next(floating, torch.float32)
     try:
         config = AutoConfig.from_pretrained(path)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -270,7 +276,7 @@ class GenerateEngine:
     backend = "hf_generate"
     receives_state_dicts = False
 
-    def __init__(self, *, device: torch.device, dtype: torch.dtype, default_update_mode: int) -> None:
+    def __init__(self, *, device: torch.device, dtype: torch.dtype | None, default_update_mode: int) -> None:
         self.device = device
         self.dtype = dtype
         self.default_update_mode = default_update_mode
@@ -636,7 +642,7 @@ async def open_engine(settings: EngineSettings) -> GenerateEngine:
     the settings' device and dtype, weights to come from the checkpoints it is given."""
     engine = GenerateEngine(
         device=resolve_device(settings.device),
-        dtype=getattr(torch, settings.dtype),
+        dtype=None if settings.dtype == "auto" else getattr(torch, settings.dtype),
         default_update_mode=settings.default_update_mode,
     )
     engine.start()

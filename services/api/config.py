@@ -42,10 +42,10 @@ class ApiSettings(RolloutClientSettings):
     """Bearer token every endpoint but /healthz and /metrics requires (`Authorization: Bearer
     <token>`, else 401); unset: no authentication."""
     data_roots: str = Field("", max_length=65_536, validation_alias=AliasChoices("VERST_DATA_ROOTS"))
-    """Directories (separated by `:`) that model.path, model.tokenizer, data.train and data.eval must
-    lie in (`builtin:` names always allowed); empty: any path."""
+    """Directories (separated by `:`) that model.path, model.tokenizer, data.train, data.eval and the
+    eval.sets locations must lie in (`builtin:` names always allowed); empty: any path."""
     checkpoint_root: str = Field("", max_length=4096, validation_alias=AliasChoices("VERST_CHECKPOINT_ROOT"))
-    """Directory that trainer.checkpoint_dir must lie in; empty: any path."""
+    """Directory that trainer.checkpoint_dir, and the out_dir of an export, must lie in; empty: any path."""
     check_specs: bool = True
     """Check a submitted spec against the world (paths, data, prompt lengths, reward service); off:
     only the JobSpec's own validation."""

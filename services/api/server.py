@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
 from services.api.config import ApiSettings
+from services.api.exports import add_export_route
 from services.api.guard import error_responses, guard
 from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
 from services.api.spec_checks import SpecChecker
@@ -205,6 +206,7 @@ def create_app(
     guard(app, settings)
     app.add_exception_handler(RedisError, RedisErrorHandler())
     _add_job_routes(app, settings)
+    add_export_route(app, settings)
     _add_ops_routes(app, settings)
     return app
 
@@ -236,8 +238,8 @@ async def _check(checker: SpecChecker | None, spec: JobSpec) -> None:
 
 def _value_at(spec: JobSpec, path: tuple[str, ...]) -> Any:
     value: Any = spec
-    for part in path:
-        value = getattr(value, part)
+    for part in path:  # a section's field, or a key of a mapping (eval.sets.<name>)
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
     return value
 
 

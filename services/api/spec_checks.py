@@ -3,15 +3,20 @@ rather than a job that fails (or spins) later.
 
 ``SpecChecker.check`` returns every problem as (field path, message):
 
-- paths: model.path, model.tokenizer, and data.train and data.eval where their data source
-  ``reads_path``, inside VERST_DATA_ROOTS; trainer.checkpoint_dir inside VERST_CHECKPOINT_ROOT
-  (when set; ``builtin:`` models and sources that read no path always pass); a data.source that
+- paths: model.path, model.tokenizer, model.lora.init_from, and data.train, data.eval and each
+  eval.sets location where their data source ``reads_path``, inside VERST_DATA_ROOTS;
+  trainer.checkpoint_dir inside VERST_CHECKPOINT_ROOT
+  (when set; ``builtin:`` models, hub ids read from the local Hugging Face cache and sources that
+  read no path always pass); a data.source that
   names a user's function which cannot be imported (the api runs the controller, which runs it);
-- readable: a model directory with a config.json, a tokenizer directory, the paths data sources
+- readable: a model directory with a config.json, a tokenizer directory, a GGUF file, a hub id
+  in the local Hugging Face cache (services/models/ resolves them all), a saved LoRA adapter's
+  files in model.lora.init_from, the paths data sources
   read exist, the data reads (as the controller will read it), ``builtin:`` names that exist;
-- prompts: of the first ``check_prompts`` training prompts at least one fits
-  ``data.max_prompt_tokens`` under the job's tokenizer (skipped when no tokenizer is at hand: a
-  builtin model not built yet, or ``trust_remote_code``, whose code the api does not run);
+- prompts: of the first ``check_prompts`` training prompts, encoded in the job's ``data.format``,
+  at least one fits ``data.max_prompt_tokens`` under the job's tokenizer (skipped when no
+  tokenizer is at hand: a builtin model not built yet, a GGUF file not converted yet, or
+  ``trust_remote_code``, whose code the api does not run);
 - reward: a ``reward.address`` the spec names answers gRPC health within ``check_timeout_s``; the
   reward service that will score the job (that one, else the api's) knows ``reward.verifier`` or
   can import ``reward.plugin`` (``Reward.CheckVerifier``: only the scoring process knows its
@@ -24,6 +29,7 @@ proof of a bad spec, and the job's own deadlines still apply.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -36,13 +42,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.config import ApiSettings
+from services.common.checkpoint_layout import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from services.common.config import JobSpec
+from services.common.eval_sets import eval_set_sources, read_eval_set
 from services.common.grpc_client import channel
 from services.common.pb import reward_pb2, reward_pb2_grpc
-from services.data import DataError, PromptExample, encode_prompt, eval_prompts, source_of, train_prompts
-from services.tasks import BUILTIN_PREFIX, ModelPathError, built_model_dir, builtin_model
+from services.data import DataError, PromptExample, encode_prompt, source_of, train_prompts
+from services.models import ModelPathError, locate, prepared_model_path, readable_problem
+from services.models.paths import is_hub_id
 
 log = logging.getLogger(__name__)
+
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)
+"""What a saved LoRA adapter directory holds (`model.lora.init_from`)."""
 
 Problem = tuple[tuple[str, ...], str]
 """(field path, what is wrong)."""
@@ -50,8 +62,10 @@ _TOKENIZERS: dict[str, Any] = {}
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def _builtin(value: str | None) -> bool:
-    return value is not None and value.startswith(BUILTIN_PREFIX)
+def _not_a_local_path(value: str) -> bool:
+    """A ``builtin:`` model, or a hub id (no such local path): nothing outside verst's and the
+    Hugging Face cache is read for it."""
+    return value.startswith("builtin:") or (not os.path.lexists(value) and is_hub_id(value))
 
 
 def _inside(value: str, roots: list[Path]) -> bool:
@@ -82,36 +96,63 @@ def _local_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     """The local paths the job reads: its model and tokenizer, and the locations of the data
     sources that ``reads_path``; a user's source is imported here (``DataError`` if it cannot be)."""
     paths = [(("model", "path"), spec.model.path), (("model", "tokenizer"), spec.model.tokenizer)]
-    found = [(field, value) for field, value in paths if value is not None and not _builtin(value)]
+    found = [(field, value) for field, value in paths if value is not None and not _not_a_local_path(value)]
+    lora = spec.model.lora
+    if lora is not None and lora.init_from is not None:
+        found.append((("model", "lora", "init_from"), lora.init_from))
     return found + _data_paths(spec)
 
 
 def _data_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
-    """(field, path) of data.train and data.eval where their source reads a local path."""
+    """(field, path) of data.train, data.eval and the eval sets' locations where their source
+    reads a local path."""
+    locations = [(("data", "train"), spec.data, spec.data.train)]
+    locations += [(held.field, held.data, held.data.eval) for held in eval_set_sources(spec)]
     found = []
-    for field, location in (("train", spec.data.train), ("eval", spec.data.eval)):
+    for field, data, location in locations:
         if location is not None:
-            source, path = source_of(spec.data, location)
+            source, path = source_of(data, location)
             if source.reads_path:
-                found.append((("data", field), path))
+                found.append((field, path))
     return found
 
 
 def readability_problems(spec: JobSpec) -> list[Problem]:
     """Model, tokenizer and data that cannot be read (blocking: run it in a thread)."""
-    problems: list[Problem] = []
-    model = spec.model.path
-    try:
-        if _builtin(model):
-            builtin_model(model.removeprefix(BUILTIN_PREFIX))
-        elif not os.access(Path(model) / "config.json", os.R_OK):
-            problems.append((("model", "path"), f"{model!r:.200} is not a readable model directory"))
-    except ModelPathError as err:
-        problems.append((("model", "path"), str(err)))
-    tokenizer = spec.model.tokenizer
-    if tokenizer is not None and not (os.path.isdir(tokenizer) and os.access(tokenizer, os.R_OK | os.X_OK)):
-        problems.append((("model", "tokenizer"), f"{tokenizer!r:.200} is not a readable directory"))
+    model = spec.model
+    if model.gguf_file is None:
+        problems = _model_problems(("model", "path"), model.path)
+    else:  # a directory (or hub id) holding the GGUF file: no config.json of its own
+        problems = _model_problems(("model", "path"), model.path, need=None)
+        if not problems:
+            problems = _model_problems(("model", "gguf_file"), model.path, model.gguf_file)
+    if model.tokenizer is not None:
+        problems += _model_problems(("model", "tokenizer"), model.tokenizer, need=None)
+    if model.lora is not None and model.lora.init_from is not None:
+        problems += _adapter_problems(model.lora.init_from)
     return problems + _data_problems(spec)
+
+
+def _adapter_problems(path: str) -> list[Problem]:
+    """Why ``model.lora.init_from`` names no saved adapter (its rank and targets the trainer checks)."""
+    missing = [name for name in ADAPTER_FILES if not os.access(Path(path) / name, os.R_OK)]
+    if not missing:
+        return []
+    return [
+        (("model", "lora", "init_from"), f"{path!r:.200} holds no readable {missing[0]}: not a saved adapter")
+    ]
+
+
+def _model_problems(
+    field: tuple[str, ...], path: str, gguf_file: str | None = None, need: str | None = "config.json"
+) -> list[Problem]:
+    """Why ``path`` names no readable model (``need`` in its directory) or tokenizer (None)."""
+    try:
+        source = locate(path, gguf_file)
+    except ModelPathError as err:
+        return [(field, str(err))]
+    problem = readable_problem(source, need)
+    return [] if problem is None else [(field, problem)]
 
 
 def _data_problems(spec: JobSpec) -> list[Problem]:
@@ -121,36 +162,39 @@ def _data_problems(spec: JobSpec) -> list[Problem]:
     except DataError as err:
         return [(("data", "source"), str(err))]
     missing = {
-        field[1]: f"cannot read prompts from {path!r:.200}: no such file or directory"
+        field: f"cannot read prompts from {path!r:.200}: no such file or directory"
         for field, path in paths
         if not os.path.exists(path)
     }
-    readers: list[tuple[str, Callable[[], object]]] = [
-        ("train", lambda: next(train_prompts(spec.data, spec.seed))),
-        ("eval", lambda: eval_prompts(spec.data, 1)),
+    readers: list[tuple[tuple[str, ...], Callable[[], object]]] = [
+        (("data", "train"), lambda: next(train_prompts(spec.data, spec.seed))),
     ]
+    readers += [(held.field, functools.partial(read_eval_set, held, 1)) for held in eval_set_sources(spec)]
     problems: list[Problem] = []
     for field, read in readers:
         if field in missing:
-            problems.append((("data", field), missing[field]))
+            problems.append((field, missing[field]))
             continue
         try:
             read()
         except DataError as err:
-            problems.append((("data", field), str(err)))
+            problems.append((field, str(err)))
     return problems
 
 
 def tokenizer_path(spec: JobSpec) -> str | None:
-    """Where the job's tokenizer is now, or None when the api should not or cannot load it."""
+    """Where the job's tokenizer is now, or None when the api should not or cannot load it (a
+    builtin model not built, a GGUF file not converted: the trainer does that, not the api)."""
     if spec.model.trust_remote_code:
         return None
-    if spec.model.tokenizer is not None:
-        return spec.model.tokenizer
-    if _builtin(spec.model.path):
-        built = built_model_dir(spec.model.path.removeprefix(BUILTIN_PREFIX))
-        return None if built is None else str(built)
-    return spec.model.path
+    try:
+        if spec.model.tokenizer is not None:
+            found = prepared_model_path(spec.model.tokenizer)
+        else:
+            found = prepared_model_path(spec.model.path, spec.model.gguf_file)
+    except ModelPathError:
+        return None  # readability_problems names it
+    return None if found is None else str(found)
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -179,7 +223,10 @@ def prompt_problems(spec: JobSpec, count: int) -> list[Problem]:
     except DataError:
         return []  # readability_problems names it
     limit = spec.data.max_prompt_tokens
-    lengths = [len(encode_prompt(tokenizer, example.text)) for example in sample]
+    try:
+        lengths = [len(encode_prompt(tokenizer, example, settings=spec.data)) for example in sample]
+    except DataError as err:  # e.g. chat messages, or a system prompt, and no chat template
+        return [(("data", "format"), str(err))]
     if lengths and min(lengths) > limit:
         return [
             (

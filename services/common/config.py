@@ -9,6 +9,7 @@ Load it from YAML with ``load_job_spec(path)`` or from a dict with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,16 +27,69 @@ from services.common.algorithm_config import AlgorithmConfig
 from services.common.plugins import PLUGIN_PATH, is_plugin_path
 from services.common.section import DEEPSPEED_JSON_CHARS, PATH_CHARS, Section, Text
 
+LORA_MODULE_NAME = r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$"
+"""The form of a name in `model.lora.target_modules` (the end of a module's dotted name)."""
+
+
+class LoraConfig(Section):
+    """LoRA with peft: the trainer trains a low-rank adapter of the frozen base model and publishes
+    only the adapter; engines merge each version into a copy of the base (docs/trainer.md)."""
+
+    rank: int = Field(16, ge=1, le=4096)
+    """Rank r of each adapted matrix's update B·A."""
+    alpha: float = Field(32.0, gt=0.0, le=1_000_000.0)
+    """Scale of the update: B·A is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (0 keeps the trainer's logprobs the engines')."""
+    target_modules: Literal["all-linear"] | list[str] = Field("all-linear", min_length=1, max_length=256)
+    """Modules to adapt: `all-linear` (every linear layer but the LM head), or names, each matching a
+    module whose dotted name ends with it (`[q_proj, v_proj]`)."""
+    init_from: str | None = Field(None, min_length=1, max_length=PATH_CHARS)
+    """A saved adapter to start from (a directory with adapter_config.json and
+    adapter_model.safetensors: `verst export --adapter`, peft's save_pretrained) with this rank,
+    alpha and targets; null: a fresh adapter (B = 0: the base model's outputs)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            bad = [name for name in value if re.fullmatch(LORA_MODULE_NAME, name) is None]
+            if bad:
+                raise ValueError(f"{bad[0]!r:.80} is not a module name ({LORA_MODULE_NAME})")
+        return value
+
 
 class ModelConfig(Section):
+    """Which model: resolved to a local Hugging Face directory by services/models/, offline."""
+
     path: str = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
-    """Local Hugging Face model directory, or `builtin:<name>` for a model verst prepares."""
+    """A local Hugging Face model directory, a local `.gguf` file (converted once), a hub id
+    (`org/name`) found in the local Hugging Face cache (never downloaded), or `builtin:<name>` for
+    a model verst builds."""
     tokenizer: str | None = Field(None, min_length=1, max_length=PATH_CHARS)
-    """Tokenizer directory when it differs from `path`."""
+    """Tokenizer when it differs from `path`'s, in the same forms."""
+    gguf_file: str | None = Field(None, min_length=1, max_length=PATH_CHARS)
+    """The `.gguf` file to use inside `path` (a directory or hub id holding GGUF files), as
+    transformers' `gguf_file`; null: `path` is the model itself."""
+
+    @field_validator("gguf_file")
+    @classmethod
+    def _gguf_file_inside_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if not value.lower().endswith(".gguf") or value.startswith(("/", "~")) or ".." in Path(value).parts:
+            raise ValueError("must be a .gguf file's path relative to model.path")
+        path = str(info.data.get("path", ""))
+        if path.startswith("builtin:") or path.lower().endswith(".gguf"):
+            raise ValueError(f"needs model.path to be a directory or hub id holding it, not {path!r:.80}")
+        return value
+
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for rollout and training."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (off: only transformers' own classes)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter of the model instead of all its weights; null: full fine-tuning."""
 
 
 class DataConfig(Section):
@@ -46,20 +100,39 @@ class DataConfig(Section):
     """`auto` (each location's form picks its source), a registered data source (`jsonl`,
     `builtin`, …) reading both locations, or a user's `module:function`."""
     train: str = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
-    """Training prompts: a JSONL file, `builtin:<task>` for a toy task, `<source>:<location>`, or
-    what `source` reads."""
+    """Training prompts: a JSONL, Parquet or CSV file, a `datasets` directory (save_to_disk),
+    `builtin:<task>` for a toy task, `<source>:<location>`, or what `source` reads."""
     eval: str | None = Field("builtin:addition", min_length=1, max_length=PATH_CHARS)
     """Held-out prompts for evaluation (same forms as `train`); null disables evaluation data."""
+    train_split: str | None = Field(None, min_length=1, max_length=256)
+    """Split of a `datasets` directory with splits that `train` reads; null: `train`."""
+    eval_split: str | None = Field(None, min_length=1, max_length=256)
+    """Split of a `datasets` directory with splits that `eval` reads; null: `test`."""
     prompt_field: str = Field("prompt", min_length=1, max_length=256)
     """Key (JSONL, or a source's column) holding the prompt text."""
+    messages_field: str = Field("messages", min_length=1, max_length=256)
+    """Key (column) holding a row's chat messages (OpenAI format); a row without them has a prompt."""
     answer_field: str = Field("answer", min_length=1, max_length=256)
     """Key (JSONL, or a source's column) holding the reference answer."""
+    metadata_fields: list[Text] = Field(default_factory=list, max_length=64)
+    """Keys (columns) of each row passed to the reward as the sample's metadata (strings as they
+    are, other values as JSON)."""
+    format: Literal["auto", "text", "chat"] = "auto"
+    """How a prompt becomes tokens: `chat` renders its messages (a prompt string is the user's
+    turn) with the tokenizer's chat template, `text` is BOS and its text's tokens, `auto` is chat
+    for a row with messages or a tokenizer with a chat template, else text."""
+    system_prompt: str | None = Field(None, min_length=1, max_length=65_536)
+    """System turn put first in each chat prompt that has none of its own (needs chat format)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the chat template (`apply_chat_template`): `enable_thinking: false`, `tools: [..]`,
+    a `chat_template` of the job's own (at most 64 KiB of JSON)."""
     max_prompt_tokens: int = Field(512, ge=1, le=1_048_576)
     """Prompts longer than this (in tokens) are rejected when read."""
     shuffle: bool = True
     """Shuffle a finite source's training prompts each epoch (seeded by the job's seed)."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Settings passed as they are to the source (at most 64 KiB of JSON); the built-ins take none."""
+    """Settings passed as they are to the source (at most 64 KiB of JSON); `reasoning_gym` takes
+    its dataset's configuration and its own options (docs/trainer.md)."""
 
     @field_validator("source")
     @classmethod
@@ -81,7 +154,7 @@ class DataConfig(Section):
             pick_source(source, value)  # a ValueError: pydantic names the field
         return value
 
-    @field_validator("options")
+    @field_validator("options", "chat_template_kwargs")
     @classmethod
     def _options_are_small(cls, value: dict[str, Any]) -> dict[str, Any]:
         from services.data.sources import options_size_problem
@@ -89,6 +162,42 @@ class DataConfig(Section):
         problem = options_size_problem(value)
         if problem is not None:
             raise ValueError(problem)
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_are_the_templates(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from services.data.chat import TEMPLATE_KWARGS_SET_BY_VERST
+
+        taken = sorted(TEMPLATE_KWARGS_SET_BY_VERST & set(value))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by verst, not by the job")
+        return value
+
+    @field_validator("messages_field")
+    @classmethod
+    def _messages_apart_from_prompt(cls, value: str, info: ValidationInfo) -> str:
+        if value == info.data.get("prompt_field"):
+            raise ValueError("must differ from prompt_field (a row has messages or a prompt string)")
+        return value
+
+    @field_validator("metadata_fields")
+    @classmethod
+    def _metadata_keys_are_free(cls, value: list[str]) -> list[str]:
+        from services.data.prompts import VERST_METADATA_KEYS
+
+        taken = sorted(VERST_METADATA_KEYS & set(value))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: verst writes that metadata key itself")
+        if len(set(value)) != len(value):
+            raise ValueError("names a field twice")
+        return value
+
+    @field_validator("system_prompt")
+    @classmethod
+    def _system_prompt_needs_chat(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("format") == "text":
+            raise ValueError("needs the chat format (data.format chat or auto), not text")
         return value
 
 
@@ -262,6 +371,9 @@ class TrainerConfig(Section):
     stay unacked until a durable checkpoint covers them."""
     checkpoint_every_seconds: float | None = Field(None, gt=0.0, le=604_800.0)
     """Also a durable checkpoint at the first step this long after the previous one; null: by steps only."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them: less memory for
+    about a third more compute, the same loss and gradients."""
     deepspeed: dict[str, Any] | None = None
     """Raw DeepSpeed config merged over the one derived from this section (at most 64 KiB of JSON)."""
 
@@ -278,15 +390,125 @@ class TrainerConfig(Section):
         return value
 
 
+EVAL_SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""The form of a named eval set's name (it prefixes the set's metrics: `eval/<name>/accuracy`)."""
+DEFAULT_EVAL_SET = "default"
+"""The name of the set `data.eval` makes (its metrics are unprefixed: `eval/accuracy`)."""
+
+
+class EvalSetConfig(Section):
+    """One named held-out set, read through a data source as `data.eval` is; the other keys of
+    `data` (fields, options) are the job's unless given here (services/common/eval_sets.py)."""
+
+    source: str | None = Field(None, min_length=1, max_length=256)
+    """The data source reading `location`, as `data.source` takes it; null: `data.source`."""
+    location: str = Field(min_length=1, max_length=PATH_CHARS)
+    """Where its prompts are, in the forms of `data.eval` (a JSONL file, `builtin:<task>`,
+    `<source>:<location>`, or what `source` reads)."""
+    split: str | None = Field(None, min_length=1, max_length=256)
+    """Split of a `datasets` directory with splits that `location` is; null: `data.eval_split`."""
+    num_prompts: int | None = Field(None, ge=1, le=1_000_000)
+    """Prompts of this set per evaluation; null: `eval.num_prompts`."""
+    prompt_field: str | None = Field(None, min_length=1, max_length=256)
+    """Key holding the prompt text; null: `data.prompt_field`."""
+    answer_field: str | None = Field(None, min_length=1, max_length=256)
+    """Key holding the reference answer; null: `data.answer_field`."""
+    options: dict[str, Any] | None = None
+    """Settings passed to its source; null: `data.options` when `source` is null, else none."""
+
+    @field_validator("source")
+    @classmethod
+    def _source_is_known(cls, value: str | None) -> str | None:
+        from services.data.sources import source_problem
+
+        problem = None if value is None else source_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("location")
+    @classmethod
+    def _location_has_a_source(cls, value: str, info: ValidationInfo) -> str:
+        from services.data.sources import pick_source
+
+        source = info.data.get("source")  # null: data.source's, checked when the set is read
+        if source is not None:
+            pick_source(source, value)
+        return value
+
+    @field_validator("options")
+    @classmethod
+    def _options_are_small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from services.data.sources import options_size_problem
+
+        problem = None if value is None else options_size_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The job's data section as this set reads it: its source, location (as `data.eval`),
+        fields and options in place of the job's (its own source takes no options of the job's)."""
+        own = {"source": self.source, "eval_split": self.split}
+        own |= {"prompt_field": self.prompt_field, "answer_field": self.answer_field}
+        update: dict[str, Any] = {k: v for k, v in own.items() if v is not None} | {"eval": self.location}
+        if self.options is not None or self.source is not None:
+            update["options"] = self.options or {}
+        return data.model_copy(update=update)
+
+
 class EvalConfig(Section):
     every_steps: int = Field(5, ge=0, le=10_000_000)
     """Held-out evaluation every K steps (0: only at the start and the end)."""
     num_prompts: int = Field(128, ge=1, le=1_000_000)
-    """Held-out prompts per evaluation."""
+    """Held-out prompts per evaluation, of each set (a set may say otherwise)."""
     at_start: bool = True
     """Evaluate the base model (version 0) before training."""
     max_new_tokens: int | None = Field(None, ge=1, le=65_536)
     """Response budget for evaluation; null means the rollout's."""
+    sets: dict[str, EvalSetConfig] = Field(default_factory=dict, max_length=32)
+    """Named held-out sets evaluated beside `data.eval` (metrics `eval/<name>/accuracy`, …;
+    `data.eval`'s stay `eval/accuracy`, …), e.g. `{gsm8k: {location: gsm8k_test.jsonl}}`."""
+    samples_per_prompt: int = Field(0, ge=0, le=1024)
+    """Answers sampled per prompt at `temperature` besides the greedy one, for `mean@n` and
+    `pass@k`; 0: greedy accuracy only."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature of those answers (plain temperature sampling: no top-p, no top-k)."""
+    pass_k: list[int] = Field(default_factory=list, max_length=16)
+    """The k of each pass@k reported (unbiased estimator, each k <= samples_per_prompt); empty:
+    pass@samples_per_prompt alone."""
+
+    @field_validator("sets")
+    @classmethod
+    def _set_names(cls, value: dict[str, EvalSetConfig]) -> dict[str, EvalSetConfig]:
+        for name in value:
+            if re.fullmatch(EVAL_SET_NAME, name) is None:
+                raise ValueError(f"set name {name!r:.80} must match {EVAL_SET_NAME}")
+            if name == DEFAULT_EVAL_SET:
+                raise ValueError(f"{name!r} names data.eval's set; call this one otherwise")
+        return value
+
+    @field_validator("pass_k")
+    @classmethod
+    def _k_within_samples(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        samples = info.data.get("samples_per_prompt")
+        if samples is None:  # samples_per_prompt itself was refused
+            return value
+        if value and samples == 0:
+            raise ValueError("needs samples_per_prompt >= 1 (pass@k counts sampled answers)")
+        bad = [k for k in value if not 1 <= k <= samples]
+        if bad:
+            raise ValueError(f"each k must be in [1, samples_per_prompt={samples}], not {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"has a k twice: {value}")
+        return value
+
+    @property
+    def reported_k(self) -> list[int]:
+        """The k of every pass@k reported (none without sampled answers)."""
+        if not self.samples_per_prompt:
+            return []
+        return sorted(self.pass_k) or [self.samples_per_prompt]
 
 
 class JobSpec(Section):

@@ -14,8 +14,9 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 def checkpoint_dir(handle: common_pb2.CheckpointHandle) -> Path:
-    """The local directory of a ``file://`` checkpoint handle (raises ValueError otherwise)."""
-    uri = urlparse(handle.uri)
+    """The local directory of a ``file://`` checkpoint handle (raises ValueError otherwise); for
+    a LoRA adapter's, its base model's (where the tokenizer is)."""
+    uri = urlparse(handle.adapter.base_uri if handle.HasField("adapter") else handle.uri)
     if uri.scheme != "file":
         raise ValueError(f"checkpoint v{handle.version} of {handle.job_id}: unsupported uri {handle.uri!r}")
     return Path(unquote(uri.path))
@@ -26,7 +27,12 @@ def load_job_tokenizer(spec: JobSpec, handle: common_pb2.CheckpointHandle) -> An
 
     Blocking (run it in a thread); raises OSError or ValueError when it cannot be loaded.
     """
-    path = spec.model.tokenizer or str(checkpoint_dir(handle))
+    if spec.model.tokenizer is not None:
+        from services.models import resolve_model_path  # a hub id or GGUF file: its local directory
+
+        path = str(resolve_model_path(spec.model.tokenizer))
+    else:
+        path = str(checkpoint_dir(handle))
     # One at a time: transformers' lazy imports are not safe when threads race through them.
     with _TOKENIZER_LOCK:
         from transformers import AutoTokenizer  # a slow import, needed only once a job runs

@@ -31,7 +31,7 @@ class ControllerSettings(RolloutClientSettings):
     eval_engine_timeout_s: float = Field(300.0, ge=0.1, le=86_400.0)
     """How long an evaluation waits for an engine to serve the version it evaluates."""
     eval_concurrency: int = Field(16, ge=1, le=4096)
-    """Evaluation Generate calls in flight at once, per job."""
+    """Evaluation calls (Generate, ScoreBatch) in flight at once, per job."""
     eval_attempts: int = Field(3, ge=1, le=20)
     """Attempts of each evaluation call (Generate, ScoreBatch) whose engine, router or reward
     service failed or went away; a retried Generate waits for an engine that serves the version."""

@@ -63,12 +63,12 @@ from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JobStreams
 from services.controller.config import ControllerSettings
 from services.controller.dead_letters import RepeatedFailures, failure_limit, replaces_work
-from services.controller.evaluation import JobEvals
+from services.controller.evaluation import JobEvals, prepare_eval_sets
 from services.controller.feed import PromptFeed
 from services.controller.pacing import Issue, plan_issue
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
-from services.data import DataError, eval_prompts
+from services.data import DataError
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,7 @@ class JobDriver:
         consumed = record.issued_batches * self.spec.rollout.prompts_per_step + record.issued_extra
         try:
             self.tokenizer = await asyncio.to_thread(load_job_tokenizer, self.spec, handle)
-            self.evals.examples = await asyncio.to_thread(
-                eval_prompts, self.spec.data, self.spec.eval.num_prompts
-            )
+            self.evals.sets = await asyncio.to_thread(prepare_eval_sets, self.spec, self.tokenizer)
             self.evals.tokenizer = self.tokenizer
             feed = PromptFeed(self.spec, self.job_id, self.tokenizer, consumed=consumed)
         except (OSError, ValueError) as err:  # DataError is a ValueError; so are tokenizer load errors
@@ -233,7 +231,7 @@ class JobDriver:
         if not self.resumed:
             await self.store.set_state(self.job_id, RUNNING)
             await self.store.update_progress(self.job_id, handle.version, handle.step)
-            if self.spec.eval.at_start and self.evals.examples:
+            if self.spec.eval.at_start and self.evals.sets:
                 await self.evals.evaluate(handle.version)
         else:  # this driver's predecessor died: an evaluation it had due (or running) is not lost
             await self.evals.catch_up(self.store, self.latest_version)
@@ -258,7 +256,7 @@ class JobDriver:
         status = self._trainer_done.result()
         final = max(status.policy_version, self.latest_version)
         reason = ""
-        if self.evals.examples and final not in self.evals.done:
+        if self.evals.sets and final not in self.evals.done:
             error = await self.evals.evaluate(final)
             if error:
                 reason = f"training finished at version {final}; the final evaluation failed: {error}"

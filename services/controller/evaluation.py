@@ -1,8 +1,13 @@
-"""Held-out evaluation of a job's policy: greedy answers through the router, scored by the reward service.
+"""Held-out evaluation of a job's policy through the router, scored by the reward service.
 
-Accuracy is the fraction of eval prompts whose reward is at least 1 (the
-verifier's "fully correct"); reward_mean is the plain mean. A prompt that could
-not be generated or scored counts as wrong and is counted in ``errors``.
+A job's held-out sets (services/common/eval_sets.py) are ``data.eval`` and the named sets of
+``eval.sets``, each read through its data source and encoded once, when the job starts, by the
+one prompt encoding the training prompts use (``services.data.encode_prompt`` with the job's
+``data`` section: the same chat rendering). An evaluation answers every prompt of every set
+greedily, and with ``eval.samples_per_prompt`` = n also samples n answers at
+``eval.temperature`` (one Generate of n), then scores the prompt's answers in one ScoreBatch.
+What it reports of each set (accuracy, reward_mean, mean@n, pass@k, errors) is eval_scores.py's;
+an answer that could not be generated or scored counts as wrong and is counted in ``errors``.
 
 A call whose engine, router or reward service failed or went away (``RETRYABLE``) is made
 again, ``attempts`` times in all, after a pause that doubles and, for a Generate, once an
@@ -28,7 +33,8 @@ from typing import Any, TypeVar
 import grpc
 
 from services.common.bus import Bus
-from services.common.config import JobSpec
+from services.common.config import DEFAULT_EVAL_SET, JobSpec
+from services.common.eval_sets import eval_set_sources, metric_prefix, read_eval_set
 from services.common.jobs import JobStore
 from services.common.pb import (
     common_pb2,
@@ -39,9 +45,10 @@ from services.common.pb import (
     router_pb2_grpc,
 )
 from services.controller.config import ControllerSettings
+from services.controller.eval_scores import RIGHT, PromptOutcome, SetScores, set_scores
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
-from services.data import PromptExample, PromptTooLongError, encode_prompt
+from services.data import DataError, PromptExample, PromptTooLongError, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,12 @@ ENGINE_POLL_S = 0.2
 """How often the router is asked which versions its engines serve."""
 LIST_ENGINES_TIMEOUT_S = 5.0
 """Deadline of one ListEngines call."""
+SERVED_VERSION = "served_version"
+"""The value of an evaluation's metric row: the oldest policy version among its answers' tokens
+(also the row's step)."""
+SERVED_VERSION_MAX = "served_version_max"
+"""The value of an evaluation's metric row: the newest policy version among its answers' tokens
+(above ``served_version`` when the engines loaded a new version while it ran)."""
 
 
 class EvalError(RuntimeError):
@@ -73,23 +86,65 @@ class EvalError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class EvalSet:
+    """One held-out set, read and encoded: what an evaluation answers."""
+
+    name: str
+    """``default`` (``data.eval``) or its key in ``eval.sets``."""
+    examples: tuple[PromptExample, ...]
+    prompts: tuple[tuple[int, ...], ...]
+    """Each example's token ids, as the training prompts are encoded."""
+
+
+def encode_eval_set(name: str, examples: Sequence[PromptExample], spec: JobSpec, tokenizer: Any) -> EvalSet:
+    """The set's prompts encoded as training encodes its own (the job's ``data`` section decides
+    the format and the chat template); a ``DataError`` naming the set and the prompt that is too
+    long or cannot be rendered: no evaluation of it could ever run."""
+    prompts = []
+    for example in examples:
+        try:
+            ids = encode_prompt(
+                tokenizer, example, settings=spec.data, max_tokens=spec.data.max_prompt_tokens
+            )
+        except (PromptTooLongError, DataError) as err:
+            raise DataError(f"eval set {name!r}: prompt {example.prompt_id}: {err}") from None
+        prompts.append(tuple(ids))
+    return EvalSet(name, tuple(examples), tuple(prompts))
+
+
+def prepare_eval_sets(spec: JobSpec, tokenizer: Any) -> list[EvalSet]:
+    """Every held-out set of the job, read through its data source and encoded (blocking: run it
+    in a thread); ``DataError`` naming the set when one cannot be."""
+    sets = []
+    for source in eval_set_sources(spec):
+        try:
+            examples = read_eval_set(source)
+        except DataError as err:
+            if source.name == DEFAULT_EVAL_SET:
+                raise  # data.eval's errors name its file and row, as they always have
+            raise DataError(f"eval set {source.name!r} ({'.'.join(source.field)}): {err}") from None
+        sets.append(encode_eval_set(source.name, examples, spec, tokenizer))
+    return sets
+
+
+@dataclass(frozen=True, slots=True)
 class EvalResult:
     """One evaluation of one policy version."""
 
     version: int
-    """The oldest policy version that produced a token of the eval answers."""
-    accuracy: float
-    reward_mean: float
-    num_prompts: int
-    errors: int
+    """The oldest policy version that produced a token of the answers (the evaluation's label)."""
+    newest_version: int
+    """The newest policy version that produced a token of the answers."""
+    sets: dict[str, SetScores]
+    """Each set's scores, by name."""
 
     def metric_values(self) -> dict[str, float]:
-        return {
-            "accuracy": self.accuracy,
-            "reward_mean": self.reward_mean,
-            "num_prompts": float(self.num_prompts),
-            "errors": float(self.errors),
-        }
+        """The job's metric row: each set's values (a named set's under ``<name>/``), and the versions
+        that served it."""
+        values = {SERVED_VERSION: float(self.version), SERVED_VERSION_MAX: float(self.newest_version)}
+        for name, scores in self.sets.items():
+            values |= scores.metric_values(metric_prefix(name))
+        return values
 
 
 class Evaluator:
@@ -116,6 +171,8 @@ class Evaluator:
         """How long a retry of a Generate waits for an engine to serve the version again."""
         self.retries = 0
         """Calls made again after a failure, over this evaluator's life."""
+        self._slots = asyncio.Semaphore(concurrency)
+        """Calls (Generate, ScoreBatch) in flight at once."""
 
     async def wait_for_version(self, version: int, timeout_s: float) -> int:
         """The newest version an engine of this job serves, once it is >= ``version``."""
@@ -137,89 +194,114 @@ class Evaluator:
                 raise EvalError(f"no engine served version {version} within {timeout_s:.0f}s ({seen})")
             await asyncio.sleep(ENGINE_POLL_S)
 
-    async def evaluate(self, version: int, examples: Sequence[PromptExample], tokenizer: Any) -> EvalResult:
-        """Greedy answers to ``examples`` by engines serving ``version`` or newer, scored."""
-        label = f"v{version}"
-        try:
-            prompts = [
-                encode_prompt(tokenizer, ex.text, max_tokens=self.spec.data.max_prompt_tokens)
-                for ex in examples
-            ]
-        except PromptTooLongError as err:
-            raise EvalError(f"eval prompt: {err}") from None
-        completions = await self._generate_all(label, prompts, version)
-        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-        scores = await self._score(label, examples, prompts, completions, texts)
-        rewards = [
-            0.0 if (s.error or c.error) else s.reward for s, c in zip(scores, completions, strict=True)
-        ]
-        errors = sum(1 for s, c in zip(scores, completions, strict=True) if s.error or c.error)
-        versions = [v for c in completions for v in c.policy_versions]
-        if not versions:
-            raise EvalError("the engines returned no tokens for any eval prompt")
-        return EvalResult(
-            version=int(min(versions)),
-            accuracy=sum(1 for r in rewards if r >= 1.0) / len(rewards),
-            reward_mean=sum(rewards) / len(rewards),
-            num_prompts=len(rewards),
-            errors=errors,
-        )
-
-    def _sampling(self) -> common_pb2.SamplingParams:
-        rollout = self.spec.rollout
-        max_new_tokens = self.spec.eval.max_new_tokens or rollout.max_new_tokens
-        return common_pb2.SamplingParams(
-            temperature=0.0, max_new_tokens=max_new_tokens, n=1, stop=rollout.stop
-        )
-
-    async def _generate_all(
-        self, label: str, prompts: list[list[int]], version: int
-    ) -> list[rollout_pb2.Completion]:
-        slots = asyncio.Semaphore(self.concurrency)
-        sampling = self._sampling()
-
-        async def generate(index: int, prompt: list[int]) -> rollout_pb2.Completion:
-            first_id = f"{self.job_id}:eval:{label}:{index}"
-
-            async def attempt(number: int) -> rollout_pb2.GenerateResponse:
-                request_id = first_id if number == 1 else f"{first_id}:retry{number - 1}"
-                request = rollout_pb2.GenerateRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    session_id=request_id,  # a new session: no affinity to an engine that failed
-                    job_id=self.job_id,
-                )
-                async with slots:
-                    return await self.router.Generate(request, timeout=self.spec.rollout.request_timeout_s)
-
-            reply = await self._call(f"Generate {first_id}", attempt, version)
-            if len(reply.completions) != 1:
-                raise EvalError(f"{first_id}: expected 1 completion, got {len(reply.completions)}")
-            return reply.completions[0]
-
+    async def evaluate(
+        self, version: int, sets: Sequence[EvalSet], tokenizer: Any, *, served: int | None = None
+    ) -> EvalResult:
+        """Answers to every prompt of ``sets`` by engines serving ``version`` or newer, scored.
+        ``served``: the version the engines serve as it starts, which names its requests."""
+        label = f"v{version if served is None else served}"
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(generate(i, p)) for i, p in enumerate(prompts)]
-        except* grpc.aio.AioRpcError as errors:
-            first = errors.exceptions[0]
-            assert isinstance(first, grpc.aio.AioRpcError)
-            raise EvalError(f"Generate failed: {first.code().name}: {first.details()}") from None
+                tasks = {
+                    s.name: [
+                        group.create_task(self._answer(s, index, label, version, tokenizer))
+                        for index in range(len(s.examples))
+                    ]
+                    for s in sets
+                }
         except* EvalError as errors:
             raise errors.exceptions[0] from None
-        return [task.result() for task in tasks]
+        answered = {name: [task.result() for task in found] for name, found in tasks.items()}
+        versions = [v for found in answered.values() for _, low_high in found for v in low_high]
+        if not versions:
+            raise EvalError("the engines returned no tokens for any eval prompt")
+        pass_k = self.spec.eval.reported_k
+        return EvalResult(
+            version=min(versions),
+            newest_version=max(versions),
+            sets={name: set_scores([o for o, _ in found], pass_k) for name, found in answered.items()},
+        )
+
+    async def _answer(
+        self, eval_set: EvalSet, index: int, label: str, version: int, tokenizer: Any
+    ) -> tuple[PromptOutcome, tuple[int, ...]]:
+        """One prompt's greedy answer and sampled answers, scored; with the lowest and highest
+        policy version among their tokens (none when no answer has a token)."""
+        named = "" if eval_set.name == DEFAULT_EVAL_SET else f"{eval_set.name}:"
+        first_id = f"{self.job_id}:eval:{named}{label}:{index}"
+        prompt = eval_set.prompts[index]
+        completions = await self._generate(first_id, prompt, self._sampling(greedy=True), version)
+        samples = self.spec.eval.samples_per_prompt
+        if samples:
+            sampling = self._sampling(greedy=False)
+            completions += await self._generate(f"{first_id}:sampled", prompt, sampling, version)
+        ids = [first_id] + [f"{first_id}:sampled:{j}" for j in range(samples)]
+        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+        scores = await self._score(first_id, eval_set.examples[index], prompt, ids, completions, texts)
+        failed = [bool(s.error or c.error) for s, c in zip(scores, completions, strict=True)]
+        rewards = [0.0 if bad else s.reward for s, bad in zip(scores, failed, strict=True)]
+        outcome = PromptOutcome(
+            greedy_reward=rewards[0],
+            samples=samples,
+            samples_right=sum(1 for reward in rewards[1:] if reward >= RIGHT),
+            failed=sum(failed),
+        )
+        versions = [v for c in completions for v in c.policy_versions]
+        return outcome, (min(versions), max(versions)) if versions else ()
+
+    def _sampling(self, *, greedy: bool) -> common_pb2.SamplingParams:
+        """Greedy (one answer), or plain temperature sampling of ``samples_per_prompt`` answers."""
+        rollout, evals = self.spec.rollout, self.spec.eval
+        max_new_tokens = evals.max_new_tokens or rollout.max_new_tokens
+        if greedy:
+            return common_pb2.SamplingParams(
+                temperature=0.0, max_new_tokens=max_new_tokens, n=1, stop=rollout.stop
+            )
+        return common_pb2.SamplingParams(
+            temperature=evals.temperature,
+            max_new_tokens=max_new_tokens,
+            n=evals.samples_per_prompt,
+            stop=rollout.stop,
+        )
+
+    async def _generate(
+        self, first_id: str, prompt: Sequence[int], sampling: common_pb2.SamplingParams, version: int
+    ) -> list[rollout_pb2.Completion]:
+        """The ``sampling.n`` completions of one Generate, made again after a RETRYABLE failure."""
+
+        async def attempt(number: int) -> rollout_pb2.GenerateResponse:
+            request_id = first_id if number == 1 else f"{first_id}:retry{number - 1}"
+            request = rollout_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                session_id=request_id,  # a new session: no affinity to an engine that failed
+                job_id=self.job_id,
+            )
+            async with self._slots:
+                return await self.router.Generate(request, timeout=self.spec.rollout.request_timeout_s)
+
+        try:
+            reply = await self._call(f"Generate {first_id}", attempt, version)
+        except grpc.aio.AioRpcError as err:
+            raise EvalError(f"Generate failed: {err.code().name}: {err.details()}") from None
+        if len(reply.completions) != sampling.n:
+            raise EvalError(f"{first_id}: expected {sampling.n} completions, got {len(reply.completions)}")
+        return list(reply.completions)
 
     async def _score(
         self,
-        label: str,
-        examples: Sequence[PromptExample],
-        prompts: list[list[int]],
-        completions: list[rollout_pb2.Completion],
-        texts: list[str],
+        first_id: str,
+        example: PromptExample,
+        prompt: Sequence[int],
+        ids: Sequence[str],
+        completions: Sequence[rollout_pb2.Completion],
+        texts: Sequence[str],
     ) -> list[reward_pb2.ScoreResponse]:
+        """One prompt's answers scored in one ScoreBatch, as the runner scores a group."""
         items = [
             reward_pb2.ScoreRequest(
-                trajectory_id=f"{self.job_id}:eval:{label}:{index}",
+                trajectory_id=trajectory_id,
                 job_id=self.job_id,
                 prompt_id=example.prompt_id,
                 prompt_text=example.text,
@@ -228,18 +310,19 @@ class Evaluator:
                 response_token_ids=completion.token_ids,
                 answer=example.answer,
                 verifier=self.spec.reward.scorer,
+                metadata={**example.metadata, "source_prompt_id": example.prompt_id},  # as in training
                 num_turns=1,
             )
-            for index, (example, prompt, completion, text) in enumerate(
-                zip(examples, prompts, completions, texts, strict=True)
-            )
+            for trajectory_id, completion, text in zip(ids, completions, texts, strict=True)
         ]
         request = reward_pb2.ScoreBatchRequest(items=items)
+
+        async def attempt(_: int) -> reward_pb2.ScoreBatchResponse:
+            async with self._slots:
+                return await self.reward.ScoreBatch(request, timeout=self.spec.reward.timeout_s)
+
         try:
-            reply = await self._call(
-                f"ScoreBatch of {label}",
-                lambda _: self.reward.ScoreBatch(request, timeout=self.spec.reward.timeout_s),
-            )
+            reply = await self._call(f"ScoreBatch of {first_id}", attempt)
         except grpc.aio.AioRpcError as err:
             raise EvalError(f"ScoreBatch failed: {err.code().name}: {err.details()}") from None
         if len(reply.results) != len(items):
@@ -302,8 +385,8 @@ class JobEvals:
         self.bus, self.stubs, self.settings, self.metrics = bus, stubs, settings, metrics
         self.job_id = job_id
         self.spec = spec
-        self.examples: list[PromptExample] = []
-        """The held-out prompts (none: no evaluation runs)."""
+        self.sets: list[EvalSet] = []
+        """The held-out sets, read and encoded by the driver (none: no evaluation runs)."""
         self.tokenizer: Any = None
         self.done: set[int] = set()
         """Versions evaluated (labelled by the oldest version among the answers' tokens)."""
@@ -321,7 +404,7 @@ class JobEvals:
         make due again each periodic evaluation up to version ``latest`` that has no result in
         its interval (the api died before it ran, or while it ran)."""
         every = self.spec.eval.every_steps
-        if not every or not self.examples:
+        if not every or not self.sets:
             return
         rows = await store.history(self.job_id, source="eval")
         self.done |= {row.step for row in rows}
@@ -386,7 +469,7 @@ class JobEvals:
             if served in self.done:
                 self._covered(version, served)
                 return ""
-            result = await evaluator.evaluate(version, self.examples, self.tokenizer)
+            result = await evaluator.evaluate(version, self.sets, self.tokenizer, served=served)
         except EvalError as err:
             self.metrics.evaluations.labels(outcome="failed").inc()
             log.error("%s: evaluation of version %d lost: %s", self.job_id, version, err)
@@ -399,5 +482,9 @@ class JobEvals:
         await self.bus.publish_metric(
             self.job_id, "eval", values, step=result.version, policy_version=result.version
         )
-        log.info("%s: eval of version %d: accuracy %.3f", self.job_id, result.version, result.accuracy)
+        for name, scores in result.sets.items():
+            log.info(
+                "%s: eval of version %d, set %s: accuracy %.3f%s", self.job_id, result.version, name,
+                scores.accuracy, "".join(f", pass@{k} {v:.3f}" for k, v in scores.pass_at.items()),
+            )  # fmt: skip
         return ""

@@ -6,6 +6,11 @@ issued ``consumed`` prompts continues with exactly the ones that follow. Regular
 batches have ids ``{job_id}:{batch}:{index}``; replacements for groups the
 trainer dropped have ids ``{job_id}:extra:{n}``.
 
+Each prompt is encoded by ``services.data.encode_prompt`` in the job's ``data.format``; a chat
+prompt's task also carries its messages (``messages_json``), on which a multi-turn episode renders
+its tool turns, and every task the row's metadata (``data.metadata_fields``) for the reward.
+A multi-turn chat job whose template cannot append a tool turn fails when the feed is made.
+
 Prompts longer than ``data.max_prompt_tokens`` are skipped, but never endlessly: after
 ``MAX_SKIPPED_IN_A_ROW`` of them in a row the feed raises ``DataError`` (the train source is
 endless, so a filter without that bound would spin forever on a data set none of whose prompts fit).
@@ -14,13 +19,22 @@ endless, so a filter without that bound would spin forever on a data set none of
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 from services.common.config import JobSpec
 from services.common.pb import common_pb2
-from services.data import DataError, PromptExample, PromptTooLongError, encode_prompt, train_prompts
+from services.data import (
+    DataError,
+    PromptExample,
+    PromptTooLongError,
+    encode_prompt,
+    prompt_messages,
+    train_prompts,
+)
+from services.data.chat import ChatTemplateError, check_tool_turns, has_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +51,7 @@ class PromptFeed:
         self.job_id = job_id
         self.tokenizer = tokenizer
         self.sampling = sampling_params(spec)
+        self._check_tool_turns()
         encoded = self._encoded(train_prompts(spec.data, spec.seed))
         self._prompts = itertools.islice(encoded, consumed, None)
 
@@ -54,12 +69,26 @@ class PromptFeed:
             self._task(f"{self.job_id}:extra:{first + i}", ex, ids) for i, (ex, ids) in enumerate(prompts)
         ]
 
+    def _check_tool_turns(self) -> None:
+        """``DataError`` now, not a dead letter per episode, when a multi-turn job's prompts are
+        chat and its template cannot append a tool turn to a model's turn."""
+        data, rollout = self.spec.data, self.spec.rollout
+        multi_turn = rollout.max_turns > 1 and rollout.strategy in ("auto", "tool_episode")
+        chat = data.format == "chat" or (
+            data.format == "auto" and has_chat_template(self.tokenizer, data.chat_template_kwargs)
+        )
+        if multi_turn and chat:
+            try:
+                check_tool_turns(self.tokenizer, data.chat_template_kwargs)
+            except ChatTemplateError as err:
+                raise DataError(f"tool turns of a chat job (rollout.max_turns > 1): {err}") from None
+
     def _encoded(self, examples: Iterator[PromptExample]) -> Iterator[tuple[PromptExample, list[int]]]:
         limit = self.spec.data.max_prompt_tokens
         skipped = 0
         for example in examples:
             try:
-                ids = encode_prompt(self.tokenizer, example.text, max_tokens=limit)
+                ids = encode_prompt(self.tokenizer, example, settings=self.spec.data, max_tokens=limit)
             except PromptTooLongError as err:
                 skipped += 1
                 if skipped >= MAX_SKIPPED_IN_A_ROW:
@@ -72,6 +101,7 @@ class PromptFeed:
             yield example, ids
 
     def _task(self, prompt_id: str, example: PromptExample, ids: list[int]) -> common_pb2.PromptTask:
+        messages = prompt_messages(self.tokenizer, example, self.spec.data)
         task = common_pb2.PromptTask(
             prompt_id=prompt_id,
             job_id=self.job_id,
@@ -85,7 +115,8 @@ class PromptFeed:
             split=common_pb2.SPLIT_TRAIN,
             max_turns=self.spec.rollout.max_turns,
             tools=self.spec.rollout.tools,
-            metadata={"source_prompt_id": example.prompt_id},
+            metadata={**example.metadata, "source_prompt_id": example.prompt_id},
+            messages_json="" if messages is None else json.dumps(messages, ensure_ascii=False),
         )
         task.created_at.GetCurrentTime()
         return task

@@ -1,14 +1,40 @@
 """The prompt record every data source yields, its errors, and the one prompt encoding.
 
 A data source (sources.py) yields ``PromptExample``s and raises ``DataError`` for data it
-cannot read. Everyone encodes a prompt with ``encode_prompt`` so that the controller, the
-engines and the trainer agree on the token ids.
+cannot read. Everyone encodes a prompt with ``encode_prompt`` so that the controller (its feed
+and its evaluations), the api's checks and the engines agree on the token ids; the trainer gets
+those ids in the trajectories and never tokenizes a prompt itself.
+
+A prompt is encoded in one of two formats (``data.format``):
+
+- ``text``: BOS (when the tokenizer has one and the text does not start with it), then the
+  text's tokens without any other special tokens. Tokenizers disagree on whether they add BOS
+  themselves; asking for none and prepending it here gives the same ids for the same text.
+- ``chat``: the prompt's messages rendered by the tokenizer's own chat template with the
+  assistant's turn opened (``apply_chat_template(messages, add_generation_prompt=True,
+  tokenize=True, **data.chat_template_kwargs)``, chat.py). The template alone decides the
+  special tokens, so a template that emits BOS (Llama 3's) has exactly one. A row's
+  ``messages`` are the messages; a prompt string is the user's turn, after
+  ``data.system_prompt`` as the system turn when it is set.
+
+``auto`` picks chat for a row with messages or a tokenizer with a chat template, else text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from services.data.chat import ChatTemplateError, has_chat_template, render_ids
+
+PromptFormat = Literal["auto", "text", "chat"]
+"""``data.format``: how a prompt becomes tokens."""
+VERST_METADATA_KEYS = frozenset(
+    {"source_prompt_id", "transcript", "tool_calls", "tool_errors", "resumes", "task_policy_version"}
+)
+"""Keys verst itself writes into a task's, a score request's or a trajectory's metadata: a row's
+``data.metadata_fields`` may not use them."""
 
 
 class DataError(ValueError):
@@ -26,7 +52,13 @@ class PromptExample:
 
     prompt_id: str
     text: str
+    """The prompt as text: the prompt string, or for a row of messages its last user turn (for
+    verifiers and logs; a chat prompt is encoded from its messages)."""
     answer: str
+    messages: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    """The row's chat messages (OpenAI format, system turns included); empty for a prompt string."""
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """The row's ``data.metadata_fields``, passed to the reward with every sample of the prompt."""
 
 
 class PromptTokenizer(Protocol):
@@ -37,18 +69,99 @@ class PromptTokenizer(Protocol):
     def __call__(self, text: str, *, add_special_tokens: bool) -> Any: ...
 
 
-def encode_prompt(tokenizer: PromptTokenizer, text: str, *, max_tokens: int | None = None) -> list[int]:
-    """Token ids of a prompt: BOS, then the text's tokens without any other special tokens.
+class PromptSettings(Protocol):
+    """The fields of the job's data section (``DataConfig``) that decide a prompt's encoding."""
 
-    Tokenizers disagree on whether they add BOS themselves; asking for none and
-    prepending it here gives every component the same ids for the same text.
-    Raises ``PromptTooLongError`` when ``max_tokens`` is given and exceeded.
+    @property
+    def format(self) -> PromptFormat: ...
+
+    @property
+    def system_prompt(self) -> str | None: ...
+
+    @property
+    def chat_template_kwargs(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompts:
+    """Settings of the text format: what ``encode_prompt`` uses when given none."""
+
+    format: PromptFormat = "text"
+    system_prompt: str | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+TEXT = TextPrompts()
+
+
+def prompt_messages(
+    tokenizer: Any, prompt: str | PromptExample, settings: PromptSettings | None = None
+) -> list[dict[str, Any]] | None:
+    """The chat messages ``prompt`` is rendered from, or None when it is encoded as text.
+
+    ``DataError`` (naming the prompt and the field) when the settings and the prompt disagree:
+    messages, or a system prompt, without a chat template to render them.
     """
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if tokenizer.bos_token_id is not None:
-        ids.insert(0, int(tokenizer.bos_token_id))
+    example = _example(prompt)
+    settings = settings or TEXT
+    name = example.prompt_id or repr(example.text[:80])
+    templated = has_chat_template(tokenizer, settings.chat_template_kwargs)
+    wants_chat = settings.format == "chat" or (
+        settings.format == "auto" and (bool(example.messages) or templated)
+    )
+    if not wants_chat:
+        if example.messages:
+            raise DataError(f"prompt {name} has chat messages, which data.format text cannot encode")
+        if settings.system_prompt is not None:
+            raise DataError(
+                "data.system_prompt needs the chat format, and the tokenizer has no chat template"
+                " (data.format auto encodes these prompts as text)"
+            )
+        return None
+    if not templated:
+        raise DataError(
+            f"prompt {name} is a chat prompt (data.format {settings.format}) but the tokenizer has no"
+            " chat template: use a tokenizer with one, or give a template as"
+            " data.chat_template_kwargs.chat_template"
+        )
+    messages = [dict(message) for message in example.messages] or [{"role": "user", "content": example.text}]
+    if settings.system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": settings.system_prompt})
+    return messages
+
+
+def encode_prompt(
+    tokenizer: PromptTokenizer,
+    prompt: str | PromptExample,
+    *,
+    settings: PromptSettings | None = None,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """Token ids of a prompt, in the format ``settings`` (the job's ``data`` section) decide; text
+    when None (the module docstring says how each format encodes).
+
+    Raises ``DataError`` for a prompt the settings cannot encode (a chat template that refuses the
+    messages included), and ``PromptTooLongError`` when ``max_tokens`` is given and exceeded.
+    """
+    example = _example(prompt)
+    messages = prompt_messages(tokenizer, example, settings)
+    if messages is None:
+        ids = list(tokenizer(example.text, add_special_tokens=False)["input_ids"])
+        bos = tokenizer.bos_token_id
+        if bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, int(bos))
+    else:
+        kwargs = (settings or TEXT).chat_template_kwargs
+        try:
+            ids = render_ids(tokenizer, messages, kwargs)
+        except ChatTemplateError as err:
+            raise DataError(f"prompt {example.prompt_id or repr(example.text[:80])}: {err}") from None
     if max_tokens is not None and len(ids) > max_tokens:
         raise PromptTooLongError(
-            f"prompt is {len(ids)} tokens, above the limit of {max_tokens}: {text[:80]!r}"
+            f"prompt is {len(ids)} tokens, above the limit of {max_tokens}: {example.text[:80]!r}"
         )
     return ids
+
+
+def _example(prompt: str | PromptExample) -> PromptExample:
+    return prompt if isinstance(prompt, PromptExample) else PromptExample("", prompt, "")

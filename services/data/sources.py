@@ -6,10 +6,10 @@ The contract, in this one place. A data source is a function
 
 that gets what the job names (``request.location``: the text of ``data.train`` or ``data.eval``
 after the source's name), which split is wanted (``"train"`` or ``"eval"``), the job's data
-section (``request.data``: ``prompt_field``, ``answer_field`` and the free ``options`` mapping)
-and the job's seed (for ``"train"``; 0 for ``"eval"``, whose rows must not depend on the job).
-It raises ``DataError`` for data it cannot read, naming the file and row of a bad one. What it
-returns depends on its traits (``DataSource``):
+section (``request.data``: the fields that name a row's parts, ``train_split`` / ``eval_split``,
+and the free ``options`` mapping) and the job's seed (for ``"train"``; 0 for ``"eval"``, whose
+rows must not depend on the job). It raises ``DataError`` for data it cannot read, naming the
+file and row of a bad one. What it returns depends on its traits (``DataSource``):
 
 - ``endless``: the train split is an iterator that never ends (a procedural generator, seeded
   by ``request.seed``); verst takes prompts from it as it needs them. Otherwise the rows are
@@ -18,13 +18,21 @@ returns depends on its traits (``DataSource``):
 - ``reads_path``: the location is a local file or directory, so the api confines it to
   ``VERST_DATA_ROOTS`` and checks that it exists before the job is queued.
 - ``suffixes``: file names ending so are read by this source when ``data.source`` is ``auto``.
+- ``markers``: a directory holding one of these files is read by this source when
+  ``data.source`` is ``auto`` (``dataset_dict.json``: a ``datasets`` directory).
+
+A source that reads rows of a file or table reads each with ``rows.read_row``, so that the same
+data gives the same prompts whatever holds it, and names a bad row by its file and row.
 
 ``data.source`` picks the source: ``auto`` (the default) reads each location's own form —
 ``<name>:<rest>`` is the registered source ``name`` given ``<rest>`` (``builtin:addition``), a
-file ending in a registered suffix goes to its source, and any other path is JSONL, as verst has
-always read it; a registered name reads both locations with that source; a user's
-``module:function`` (declaring its traits with ``services.common.plugins.traits``) likewise.
-Built-ins: ``jsonl`` (jsonl.py) and ``builtin`` (the toy tasks of ``services/tasks``, registered
+file ending in a registered suffix goes to its source, a directory holding a registered marker
+file to its source, and any other path is JSONL, as verst has always read it; a registered name
+reads both locations with that source; a user's ``module:function`` (declaring its traits with
+``services.common.plugins.traits``) likewise. Built-ins: ``jsonl`` (jsonl.py), ``parquet`` and
+``csv`` (tables.py), ``datasets`` (hf_datasets.py: a Hugging Face ``datasets`` directory written
+by ``save_to_disk``, one split of it), ``reasoning_gym`` (reasoning_gym.py: the reasoning-gym
+package's procedural tasks) and ``builtin`` (the toy tasks of ``services/tasks``, registered
 by path: this package never imports the tasks). The job's splits are read through
 ``services.data.train_prompts`` / ``eval_prompts`` (splits.py).
 
@@ -35,6 +43,7 @@ This module imports no JobSpec: the JobSpec (services/common/config.py) imports 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -66,6 +75,21 @@ class SourceSettings(Protocol):
     def answer_field(self) -> str: ...
 
     @property
+    def messages_field(self) -> str: ...
+
+    @property
+    def metadata_fields(self) -> Collection[str]: ...
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def train_split(self) -> str | None: ...
+
+    @property
+    def eval_split(self) -> str | None: ...
+
+    @property
     def options(self) -> Mapping[str, Any]: ...
 
 
@@ -78,7 +102,7 @@ class SourceRequest:
     split: Split
     """``"train"`` or ``"eval"``."""
     data: SourceSettings
-    """The job's data section: ``prompt_field``, ``answer_field``, ``options``."""
+    """The job's data section: the row's fields, the splits wanted, ``options``."""
     seed: int
     """The job's seed for the train split; 0 for eval."""
 
@@ -99,6 +123,8 @@ class DataSource(Entry[DataSourceFn]):
     """Its location is a local file or directory: confined to VERST_DATA_ROOTS, checked to exist."""
     suffixes: tuple[str, ...] = ()
     """File endings ``data.source: auto`` reads with it (``.jsonl``)."""
+    markers: tuple[str, ...] = ()
+    """Files that mark a directory ``data.source: auto`` reads with it (``dataset_dict.json``)."""
 
 
 DATA_SOURCES: Registry[DataSource] = Registry(
@@ -106,7 +132,18 @@ DATA_SOURCES: Registry[DataSource] = Registry(
 )
 """Every data source by the name ``data.source`` (or a ``<name>:`` prefix) uses."""
 DATA_SOURCES.register_lazy("jsonl", "services.data.jsonl:jsonl_source", reads_path=True, suffixes=(".jsonl",))
+DATA_SOURCES.register_lazy(
+    "parquet", "services.data.tables:parquet_source", reads_path=True, suffixes=(".parquet",)
+)
+DATA_SOURCES.register_lazy("csv", "services.data.tables:csv_source", reads_path=True, suffixes=(".csv",))
+DATA_SOURCES.register_lazy(
+    "datasets",
+    "services.data.hf_datasets:datasets_source",
+    reads_path=True,
+    markers=("dataset_dict.json", "state.json"),
+)
 DATA_SOURCES.register_lazy("builtin", "services.tasks.catalog:builtin_source", endless=True)
+DATA_SOURCES.register_lazy("reasoning_gym", "services.data.reasoning_gym:reasoning_gym_source")
 
 
 def source_problem(source: str) -> str | None:
@@ -143,6 +180,11 @@ def pick_source(source: str, location: str) -> tuple[str, str]:
     for name in DATA_SOURCES.names():
         if location.endswith(tuple(DATA_SOURCES.declared(name).get("suffixes", ()))):
             return name, location
+    if os.path.isdir(location):  # a directory says what it is by the files it holds
+        for name in DATA_SOURCES.names():
+            markers = DATA_SOURCES.declared(name).get("markers", ())
+            if any(os.path.isfile(os.path.join(location, marker)) for marker in markers):
+                return name, location
     return FILE_SOURCE, location
 
 
@@ -164,4 +206,25 @@ def check_options(request: SourceRequest, source: str, takes: Collection[str] = 
         accepted = ", ".join(sorted(takes)) or "none"
         raise DataError(
             f"data.options: the {source} source takes no {', '.join(unknown)} (its options: {accepted})"
+        )
+
+
+def wanted_split(request: SourceRequest) -> str | None:
+    """The split of a dataset with splits that the request is for: ``data.train_split`` for the
+    train rows, ``data.eval_split`` for the eval rows (None when the job leaves it to the source)."""
+    return request.data.train_split if request.split == "train" else request.data.eval_split
+
+
+def split_field(split: Split) -> str:
+    """The field that picks the split of a dataset for the ``split`` rows."""
+    return "data.train_split" if split == "train" else "data.eval_split"
+
+
+def refuse_split(request: SourceRequest, kind: str) -> None:
+    """``DataError`` naming the field when the job picks a split of a file that has none."""
+    split = wanted_split(request)
+    if split is not None:
+        raise DataError(
+            f"{split_field(request.split)} is {split!r}, but {request.location:.200} is a {kind} file,"
+            " which has no splits (a split is picked from a datasets directory)"
         )

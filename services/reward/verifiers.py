@@ -14,10 +14,12 @@ The registry (``VERIFIER_REGISTRY``; ``builtin_verifiers`` builds its verifiers)
   tolerance of the answer's number;
 - ``math``: math-verify's symbolic comparison (``math_verifier.py``);
 - ``code``: the fraction of the task's unit tests the response's program passes in the
-  sandbox (``code_verifier.py``).
+  sandbox (``code_verifier.py``);
+- ``reasoning_gym``: a row of the ``reasoning_gym`` data source scored by its dataset's own
+  ``score_answer`` (``reasoning_gym_verifier.py``).
 
-The last three are ``configurable``: registered as a function of the service's
-``VerifierOptions`` that makes the verifier.
+``numeric``, ``math`` and ``code`` are ``configurable``: registered as a function of the
+service's ``VerifierOptions`` that makes the verifier.
 
 User reward functions are not registered here: a ScoreRequest names one as
 ``module:function`` (``plugins.py``).
@@ -34,6 +36,7 @@ from typing import Any
 from services.common.registry import Entry, Registry
 from services.reward.code_verifier import CodeVerifier
 from services.reward.math_verifier import MathVerifier
+from services.reward.reasoning_gym_verifier import ReasoningGymVerifier
 from services.reward.sandbox import SandboxConfig
 from services.reward.task_verifiers import TASK_VERIFIERS
 from services.tasks import TASKS, Task
@@ -160,6 +163,9 @@ def make_code_verifier(options: VerifierOptions) -> Verifier:
     return CodeVerifier(
         options.sandbox, test_timeout_s=options.code_test_timeout_s, timeout_s=options.code_timeout_s
     )
+
+
+VERIFIER_REGISTRY.register("reasoning_gym")(ReasoningGymVerifier(last_number))
 
 
 def _register_tasks() -> None:

@@ -23,8 +23,8 @@ class EngineSettings(ServiceSettings):
     """Name in the engine registry; empty: engine-{hostname}-{pid}."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
     """Torch device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N, mps or xpu."""
-    dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")
-    """Weight dtype: float32, bfloat16 or float16."""
+    dtype: str = Field("auto", pattern=r"^(auto|float32|bfloat16|float16)$")
+    """Weight dtype: auto (each checkpoint's own: the job's model.dtype), float32, bfloat16 or float16."""
     max_batch_size: int = Field(64, ge=1, le=4096)
     """Most samples decoded together in one batch."""
     batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0)

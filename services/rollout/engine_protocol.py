@@ -95,6 +95,10 @@ class EngineStatus:
     running_requests: int
     queued_requests: int
     outstanding_tokens: int
+    decode_path: str = ""
+    """EngineInfo.decode_path: "fast", "general", or "" (no weights yet, or a backend without paths)."""
+    decode_path_reason: str = ""
+    """Why the general path (EngineInfo.decode_path_reason)."""
 
 
 def engine_state(*, serving: bool, draining: bool, loading: bool, paused: bool) -> int:
@@ -191,4 +195,27 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Stop generating and release the backend: unfinished requests end (as ABORT on the torch
         engine; SGLang's calls are cancelled and their samples aborted on the servers)."""
+        ...
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """A backend that serves LoRA adapters (a handle with ``adapter`` set): the torch engine.
+    A backend without ``load_adapter`` refuses such handles (``transport.serve_adapter``)."""
+
+    async def load_adapter(
+        self,
+        path: Path,
+        *,
+        sha256: str,
+        base: Path,
+        base_sha256: str,
+        version: int,
+        job_id: str,
+        mode: int,
+        timeout_s: float,
+    ) -> ServedWeights:
+        """Verify the adapter in ``path`` (``sha256`` of its adapter_model.safetensors) and the
+        base model in ``base`` (``base_sha256``), and serve the base with the adapter applied.
+        Raises what ``Engine.load_weights`` raises."""
         ...

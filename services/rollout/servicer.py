@@ -155,6 +155,8 @@ class EngineInfoSource:
             outstanding_tokens=status.outstanding_tokens,
             job_id=status.job_id,
             weight_transports=self.weight_transports,
+            decode_path=status.decode_path,
+            decode_path_reason=status.decode_path_reason,
         )
         info.last_heartbeat.GetCurrentTime()
         return info

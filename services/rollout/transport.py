@@ -31,7 +31,7 @@ from services.common.weight_broadcast import (
     receive_stream,
     unpack,
 )
-from services.rollout.engine_protocol import Engine, ServedWeights
+from services.rollout.engine_protocol import AdapterEngine, Engine, ServedWeights
 from services.rollout.weights import CheckpointError, checkpoint_dir, uri_path
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,10 @@ async def serve_handle(
     timeout_s: float,
 ) -> Delivered:
     """Serve ``handle``'s weights over its group when it names this engine, else (or when that
-    fails) from its files. Raises what ``Engine.load_weights`` raises."""
+    fails) from its files; a LoRA adapter's through ``load_adapter`` (CheckpointError from a
+    backend without one). Raises what ``Engine.load_weights`` raises."""
+    if handle.HasField("adapter"):
+        return Delivered(await serve_adapter(engine, handle, mode, timeout_s), FILESYSTEM)
     reason = ""
     if receiver is not None and receiver.named(handle):
         try:
@@ -178,3 +181,27 @@ async def serve_handle(
         timeout_s=timeout_s,
     )
     return Delivered(update, FILESYSTEM, reason)
+
+
+async def serve_adapter(
+    engine: Engine, handle: common_pb2.CheckpointHandle, mode: int, timeout_s: float
+) -> ServedWeights:
+    """Serve a LoRA adapter handle on a backend that applies adapters (``AdapterEngine``); any
+    other refuses it, so that an engine never serves the base model as if it were the job's."""
+    adapter = handle.adapter
+    if not isinstance(engine, AdapterEngine):
+        raise CheckpointError(
+            f"job {handle.job_id} v{handle.version} is a LoRA adapter, and the {engine.backend} backend "
+            "does not apply adapters: serve LoRA jobs with the torch backend, or export merged "
+            "weights (`verst export --merge`) and serve those"
+        )
+    return await engine.load_adapter(
+        uri_path(handle.uri),
+        sha256=handle.sha256,
+        base=checkpoint_dir(adapter.base_uri),
+        base_sha256=adapter.base_sha256,
+        version=handle.version,
+        job_id=handle.job_id,
+        mode=mode,
+        timeout_s=timeout_s,
+    )

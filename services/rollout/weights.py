@@ -90,12 +90,15 @@ def read_config(path: Path) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
 
 
-def copy_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a full state dict into a model of the same architecture, in place.
+def copy_into_model(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], partial: bool = False
+) -> None:
+    """Copy a full state dict (with ``partial``, some of its tensors) into a model of the same
+    architecture, in place.
 
     Everything is checked before the first tensor is copied, so a bad file never leaves the
-    model half updated. Keys missing from the file are accepted only when they alias a loaded
-    tensor (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``).
+    model half updated. Keys missing from a full state dict are accepted only when they alias a
+    loaded tensor (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``).
     """
     current = model.state_dict()
     unexpected = sorted(set(state_dict) - set(current))
@@ -107,6 +110,6 @@ def copy_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_ids = {id(param) for name, param in params.items() if name in state_dict}
     untied = [key for key in current if key not in state_dict and id(params.get(key)) not in loaded_ids]
-    if untied:
+    if untied and not partial:
         raise CheckpointError(f"checkpoint lacks tensors the model needs: {untied[:5]}")
     model.load_state_dict(state_dict, strict=False)

@@ -19,7 +19,12 @@ alone, the samples of a group concurrently. Per sample:
    become error text the model sees; only a failing Tools service fails the task (retried).
 4. The observation is ``tool_observation`` with ``{output}`` replaced by the output (cut to
    ``max_tool_output_tokens`` tokens: its beginning and its end around a marker), one per
-   call; only this text is tokenized, and its tokens are appended with loss mask false,
+   call. A chat task (its ``messages_json`` set: the prompt is its chat template's rendering)
+   gets the template's own tool turns instead: one ``tool`` message per call, rendered with the
+   job's ``data.chat_template_kwargs`` after the model's turn, with the end of that turn and the
+   next turn's opening (``services.data.chat.tool_turn_ids``: only the appended part is
+   rendered, and a template that would rewrite earlier turns fails the task). Either way only
+   the observation is tokenized, and its tokens are appended with loss mask false,
    logprob 0 and the policy version of the model token before them (the version whose call
    produced them, so the oldest version of a trajectory, which staleness reads, is its
    model's).
@@ -42,12 +47,16 @@ The trajectory has the task prompt as its prompt and the whole episode as its re
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.pb import common_pb2, reward_pb2, rollout_pb2
+from services.data.chat import ChatTemplateError, tool_turn_ids
 from services.runner.group import (
     GroupClients,
+    InvalidTaskError,
     Sample,
     call,
     finish_group,
@@ -70,10 +79,13 @@ async def roll_out_episodes(
     """One Trajectory per sample of ``task``, each a whole multi-turn episode, with rewards."""
     formats = formats_of(clients.rollout.tool_call_format)
     request = group_request(task, stop=end_markers(formats))
+    conversation = task_messages(task)
     firsts = await generate_group(request, clients)
     attempt = uuid.uuid4().hex[:12]  # a redelivered task must not find an older attempt's state
     episodes = [
-        Episode(task, clients, request, formats, i, f"{task.prompt_id}:{i}:{attempt}")
+        Episode(
+            task, clients, request, formats, i, f"{task.prompt_id}:{i}:{attempt}", list(conversation or [])
+        )
         for i in range(len(firsts))
     ]
     samples = await run_all(
@@ -86,6 +98,19 @@ def turn_seed(seed: int, index: int, turn: int) -> int:
     """The seed of turn ``turn`` (from 2) of sample ``index`` of a task seeded ``seed``."""
     digest = hashlib.blake2b(f"{seed}:{index}:turn{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def task_messages(task: common_pb2.PromptTask) -> list[dict[str, Any]] | None:
+    """The chat messages of a chat task, None for a text one; InvalidTaskError when unreadable."""
+    if not task.messages_json:
+        return None
+    try:
+        messages = json.loads(task.messages_json)
+    except ValueError as err:
+        raise InvalidTaskError(f"messages_json is not JSON: {err}") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise InvalidTaskError("messages_json is not a list of messages")
+    return messages
 
 
 def render_observation(template: str, output: str) -> str:
@@ -105,6 +130,8 @@ class Episode:
     index: int
     session_id: str
     """The Tools session of this episode: its Python state lives across turns."""
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    """A chat task's messages so far (prompt, model turns, tool turns); empty for a text task."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -129,7 +156,7 @@ class Episode:
                 return self._result(completion.finish_reason, completion.error, text)
             if self.num_turns >= self.task.max_turns or not self.clients.serving():
                 return self._result(common_pb2.FINISH_REASON_TOOL_CALL, "", text)
-            observation = await self._observe(calls)
+            observation = await self._observe(calls, text, list(completion.token_ids))
             if len(observation) >= self._left():  # no token left for a turn to read it
                 return self._result(common_pb2.FINISH_REASON_LENGTH, "", text)
             self._append(observation, [OBSERVATION_LOGPROB] * len(observation), self.versions[-1], False)
@@ -174,9 +201,9 @@ class Episode:
             min_policy_epoch=group.min_policy_epoch,
         )
 
-    async def _observe(self, calls: list[ToolCall]) -> list[int]:
-        """Run the calls in order (they may share state) and tokenize their observations."""
-        text = ""
+    async def _observe(self, calls: list[ToolCall], turn_text: str, turn_ids: list[int]) -> list[int]:
+        """Run the calls in order (they may share state); the tokens of their observations."""
+        outputs = []
         for number, tool_call in enumerate(calls):
             output, error = await self._execute(tool_call, number)
             shown = self._cut(output)
@@ -184,8 +211,21 @@ class Episode:
                 self.tool_errors += 1
                 separator = "\n" if shown and not shown.endswith("\n") else ""
                 shown += f"{separator}error: {error}"
-            text += render_observation(self.clients.rollout.tool_observation, shown)
-        return list(self.clients.tokenizer(text, add_special_tokens=False)["input_ids"])
+            outputs.append(shown)
+        if not self.conversation:
+            text = "".join(render_observation(self.clients.rollout.tool_observation, o) for o in outputs)
+            return list(self.clients.tokenizer(text, add_special_tokens=False)["input_ids"])
+        turns = [
+            {"role": "tool", "name": c.name or "unknown", "content": o}
+            for c, o in zip(calls, outputs, strict=True)
+        ]
+        kwargs = self.clients.chat_template_kwargs
+        try:
+            ids = tool_turn_ids(self.clients.tokenizer, self.conversation, turn_text, turn_ids, turns, kwargs)
+        except ChatTemplateError as err:
+            raise InvalidTaskError(f"tool turn of a chat task: {err}") from None
+        self.conversation += [{"role": "assistant", "content": turn_text}, *turns]
+        return ids
 
     async def _execute(self, tool_call: ToolCall, number: int) -> tuple[str, str]:
         """One call's output and what went wrong (empty when nothing did)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -77,6 +77,8 @@ class GroupClients:
     """The Tools service that runs the calls of multi-turn episodes."""
     rollout: RolloutConfig
     """The job's rollout section (tool call format, observation template, tool limits...)."""
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The job's ``data.chat_template_kwargs``: a chat task's tool turns are rendered with them."""
 
 
 def _is_transient(error: BaseException) -> bool:
@@ -278,8 +280,9 @@ def _resume_request(
 
 
 def _score_request(task: common_pb2.PromptTask, sample: Sample, text: str) -> reward_pb2.ScoreRequest:
-    """An episode is scored on its last turn's text; its whole response is the transcript."""
-    metadata = dict(sample.info)
+    """An episode is scored on its last turn's text; its whole response is the transcript. The
+    task's metadata (the row's ``data.metadata_fields``, its source's prompt id) comes along."""
+    metadata = {**task.metadata, **sample.info}
     if sample.final_text is not None:
         metadata["transcript"] = text
     return reward_pb2.ScoreRequest(

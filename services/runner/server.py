@@ -267,6 +267,7 @@ class Runner:
                 self._channels.get(self.settings.tools_address or reward_address)
             ),
             rollout=spec.rollout,
+            chat_template_kwargs=spec.data.chat_template_kwargs,
         )
 
     async def _load_tokenizer(self, loop: JobLoop) -> Any:

@@ -3,9 +3,11 @@
 A strategy is an async function ``strategy(task, clients) -> trajectories`` (``RolloutStrategy``)
 that the runner calls once per task it takes, with the job's ``GroupClients``: the router stub
 (``Generate``), the reward stub (``ScoreBatch``), the Tools stub (``Execute``), the job's
-tokenizer, the call deadlines and the job's ``rollout`` section. It returns one Trajectory per
-sample of the group, all ``task.n_samples`` of them, each with its ``sample_index``; the runner
-applies the job's reward shaping, publishes them in one batch and only then acks the task.
+tokenizer, the call deadlines, the job's ``rollout`` section and its ``data.chat_template_kwargs``
+(a chat task, ``task.messages_json`` set, renders tool turns with
+``services.data.chat.tool_turn_ids``). It returns one Trajectory per sample of the group, all
+``task.n_samples`` of them, each with its ``sample_index``; the runner applies the job's reward
+shaping, publishes them in one batch and only then acks the task.
 
 What makes a Trajectory valid (the trainer refuses it otherwise): ``response_token_ids``,
 ``behaviour_logprobs`` (what the engine reported), ``policy_versions`` (the version that sampled

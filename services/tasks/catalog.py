@@ -187,15 +187,3 @@ def built_model_dir(name: str) -> Path | None:
     model = builtin_model(name)
     model_dir, _ = cached_model_paths(name, model.recipe)
     return model_dir if is_built(model_dir, model.recipe.digest(name)) else None
-
-
-def resolve_model_path(path: str) -> Path:
-    """``builtin:<name>`` -> the built model's directory; else an existing local directory."""
-    if path.startswith(BUILTIN_PREFIX):
-        return ensure_builtin_model(path.removeprefix(BUILTIN_PREFIX))
-    directory = Path(path).expanduser()
-    if not directory.exists():
-        raise ModelPathError(f"model path {path!r} does not exist")
-    if not directory.is_dir():
-        raise ModelPathError(f"model path {path!r} is not a directory")
-    return directory.resolve()

@@ -9,7 +9,8 @@ has a new hash, hence a new directory.
 
 This module knows nothing of torch or of any task: a ``BaseModel`` pairs a recipe
 with the function that builds it (``addition_model.py``, ``multiply_model.py``),
-and ``catalog.py`` says which task has which.
+and ``catalog.py`` says which task has which. GGUF files converted to Hugging Face
+directories are cached here too (``services/models/gguf.py``: ``models/gguf-<hash>``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ LOCK_TIMEOUT_S = 900.0
 
 
 class ModelPathError(ValueError):
-    """A model path names no builtin model or no existing directory."""
+    """A model path names nothing to load: no builtin model, no local directory or GGUF file, no
+    hub id in the local Hugging Face cache (services/models/)."""
 
 
 class Recipe(Protocol):
@@ -143,7 +145,7 @@ def build_into_place(name: str, model: BaseModel, final_dir: Path, *, progress: 
         log.warning("removing %s: it has no valid %s for recipe %s", final_dir, STAMP_FILE, final_dir.name)
         shutil.rmtree(final_dir)
     tmp_dir = final_dir.parent / f".{final_dir.name}.tmp-{os.getpid()}"
-    log.info("building builtin model %r into %s (a minute or two on a laptop CPU)", name, final_dir)
+    log.info("building model %r into %s (a minute or two on a laptop CPU)", name, final_dir)
     try:
         stamp = model.build(name, model.recipe, tmp_dir, progress=progress)
         tmp_dir.rename(final_dir)

@@ -4,7 +4,9 @@ step, durable checkpoints to resume from every few steps.
 ``weights/v{version:06d}-e{epoch}/`` (weights-only, every step): the policy in the rollout
 dtype as an HF-loadable directory (one model.safetensors, config, tokenizer files) and
 ``handle.json``, its CheckpointHandle. Engines load these; the newest ``KEEP_WEIGHTS`` are
-kept, so an engine still loading the previous one finds it.
+kept, so an engine still loading the previous one finds it. For a LoRA job (``model.lora``)
+these hold the adapter alone (adapter_model.safetensors, adapter_config.json), and ``base/``,
+written once per job and never pruned, the base model its handles name (``LoraAdapter``).
 
 ``v{version:06d}/`` (durable, every ``trainer.checkpoint_every_steps``, at the end, on a stop
 and on SIGTERM): the same HF files (hard links to that version's weights-only copy where the
@@ -15,6 +17,8 @@ ids trained since the previous durable checkpoint, whose version is ``since_vers
 proportional to the interval, never to the run) and ``checkpoint.json`` (its handle, durable).
 The newest ``keep_checkpoints`` are kept; their manifests are the trainer's de-duplication
 window (collector.TrainedWindow).
+
+The layout's names and a read-only view of it are services/common/checkpoint_layout.py's.
 
 Every directory is written under a temporary name and renamed into place, so one that exists
 is complete; that is what a trainer resuming a reclaimed job relies on. With several trainer
@@ -28,7 +32,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,27 +39,33 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from services.common.checkpoint_layout import (
+    ADAPTER_WEIGHTS_FILE,
+    BASE_DIR,
+    HANDLE_FILE,
+    MANIFEST_FILE,
+    OWN_FILES,
+    TRAINING_STATE_DIR,
+    WEIGHTS_DIR,
+    WEIGHTS_FILE,
+    WEIGHTS_HANDLE_FILE,
+    durable_name,
+    durable_versions,
+    job_directory,
+    read_handle,
+    weights_name,
+    weights_versions,
+)
 from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_DIR = "weights"
-"""Inside the job directory: the weights-only directories."""
-WEIGHTS_HANDLE_FILE = "handle.json"
-HANDLE_FILE = "checkpoint.json"
-MANIFEST_FILE = "consumed.json"
-"""Inside a durable checkpoint: ``{"since_version": int, "ids": [...]}``."""
-TRAINING_STATE_DIR = "training_state"
-"""DeepSpeed's save_checkpoint directory inside a checkpoint."""
 TRAINING_STATE_TAG = "state"
 """The DeepSpeed checkpoint tag (its sub-directory) inside TRAINING_STATE_DIR."""
 TRAINING_STATE_FILE = "training_state.json"
 """Inside TRAINING_STATE_DIR: the world size and ZeRO stage that wrote it."""
 KEEP_WEIGHTS = 3
 """Weights-only directories kept: the newest, and two an engine may still be loading."""
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_WEIGHTS_DIR = re.compile(r"^v(\d{6,})-e(\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,21 @@ class PublishedWeights:
     handle: common_pb2.CheckpointHandle
     directory: Path
     bytes_written: int
+
+
+@dataclass(frozen=True, slots=True)
+class BaseWeights:
+    """The base model of a LoRA job (``base/``): what its adapters apply to."""
+
+    directory: Path
+    sha256: str
+    """Of its model.safetensors."""
+    size_bytes: int
+
+    def to_proto(self) -> common_pb2.LoraAdapter:
+        return common_pb2.LoraAdapter(
+            base_uri=self.directory.as_uri(), base_sha256=self.sha256, base_size_bytes=self.size_bytes
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +130,6 @@ def _link_or_copy(source: Path, target: Path) -> bool:
         return False
 
 
-OWN_FILES = frozenset({WEIGHTS_HANDLE_FILE, HANDLE_FILE, MANIFEST_FILE})
-"""Files of a checkpoint directory that describe it, never carried over to another."""
-
-
 def link_files(source: Path, staging: Path, final: Path, skip: frozenset[str]) -> set[Path]:
     """Hard-link (or copy) the top-level files of ``source`` but ``skip`` into ``staging``;
     returns the paths they will have under ``final`` that were linked, not written."""
@@ -127,16 +147,17 @@ class CheckpointStore:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.job_id = job_id
-        self.job_dir = (root / job_id).resolve()
+        self.job_dir = job_directory(root, job_id)
         self.weights_root = self.job_dir / WEIGHTS_DIR
+        self.base_dir = self.job_dir / BASE_DIR
         self.keep = keep
 
     def directory(self, version: int) -> Path:
         """The durable checkpoint of ``version``."""
-        return self.job_dir / f"v{version:06d}"
+        return self.job_dir / durable_name(version)
 
     def weights_directory(self, version: int, epoch: int) -> Path:
-        return self.weights_root / f"v{version:06d}-e{epoch}"
+        return self.weights_root / weights_name(version, epoch)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -161,30 +182,57 @@ class CheckpointStore:
         dtype: str,
         write_model: Callable[[Path], None],
         like: Path | None = None,
+        base: BaseWeights | None = None,
     ) -> PublishedWeights:
         """Write weights-only ``version`` of lineage ``epoch``: ``write_model(dir)`` writes the HF
         files, or with ``like`` (an earlier checkpoint of the model) only model.safetensors, the
-        config and tokenizer files being linked from there."""
+        config and tokenizer files being linked from there. With ``base`` the files are a LoRA
+        adapter of it (adapter_model.safetensors, whose sha256 the handle gives, and its config)."""
         final = self.weights_directory(version, epoch)
         handle = common_pb2.CheckpointHandle(
             job_id=self.job_id, version=version, uri=final.as_uri(), format="safetensors", step=version
         )
         handle.epoch, handle.dtype = epoch, dtype
+        if base is not None:
+            handle.adapter.CopyFrom(base.to_proto())
+        name = WEIGHTS_FILE if base is None else ADAPTER_WEIGHTS_FILE
         linked: set[Path] = set()
 
         def fill(staging: Path) -> None:
             if like is not None:
-                linked.update(link_files(like, staging, final, OWN_FILES | {WEIGHTS_FILE}))
+                linked.update(link_files(like, staging, final, OWN_FILES | {name}))
             write_model(staging)
-            weights = staging / WEIGHTS_FILE
+            weights = staging / name
             if not weights.is_file():
-                raise FileNotFoundError(f"the model was saved without a single {WEIGHTS_FILE}")
+                raise FileNotFoundError(f"the model was saved without a single {name}")
             handle.sha256, handle.size_bytes = file_sha256(weights), weights.stat().st_size
             handle.created_at.GetCurrentTime()
             (staging / WEIGHTS_HANDLE_FILE).write_text(json_format.MessageToJson(handle))
 
         self._stage(final, fill)
         return PublishedWeights(handle, final, tree_bytes(final, frozenset(linked)))
+
+    def ensure_base(self, dtype: str, write_model: Callable[[Path], None]) -> BaseWeights:
+        """The job's base model directory for its LoRA adapters: written once (``write_model``
+        writes the HF files) and kept for the life of the job directory, never pruned."""
+        handle_file = self.base_dir / WEIGHTS_HANDLE_FILE
+        if not self.base_dir.exists():
+
+            def fill(staging: Path) -> None:
+                write_model(staging)
+                weights = staging / WEIGHTS_FILE
+                if not weights.is_file():
+                    raise FileNotFoundError(f"the base model was saved without a single {WEIGHTS_FILE}")
+                handle = common_pb2.CheckpointHandle(
+                    job_id=self.job_id, uri=self.base_dir.as_uri(), format="safetensors", dtype=dtype
+                )
+                handle.sha256, handle.size_bytes = file_sha256(weights), weights.stat().st_size
+                handle.created_at.GetCurrentTime()
+                (staging / WEIGHTS_HANDLE_FILE).write_text(json_format.MessageToJson(handle))
+
+            self._stage(self.base_dir, fill)
+        handle = read_handle(handle_file)
+        return BaseWeights(self.base_dir, handle.sha256, handle.size_bytes)
 
     def save_durable(
         self,
@@ -217,22 +265,16 @@ class CheckpointStore:
 
     def versions(self) -> list[int]:
         """Versions of the complete durable checkpoints, ascending."""
-        if not self.job_dir.is_dir():
-            return []
-        found = (_VERSION_DIR.match(entry.name) for entry in self.job_dir.iterdir() if entry.is_dir())
-        return sorted(int(match.group(1)) for match in found if match)
+        return durable_versions(self.job_dir)
 
     def weights(self) -> list[tuple[int, int]]:
         """(epoch, version) of the complete weights-only directories, oldest lineage first."""
-        if not self.weights_root.is_dir():
-            return []
-        found = (_WEIGHTS_DIR.match(entry.name) for entry in self.weights_root.iterdir())
-        return sorted((int(match.group(2)), int(match.group(1))) for match in found if match)
+        return weights_versions(self.job_dir)
 
     def load(self, version: int) -> SavedCheckpoint:
         """A durable checkpoint written earlier (by this or another trainer)."""
         directory = self.directory(version)
-        handle = json_format.Parse((directory / HANDLE_FILE).read_text(), common_pb2.CheckpointHandle())
+        handle = read_handle(directory / HANDLE_FILE)
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
         return SavedCheckpoint(handle, directory, frozenset(manifest["ids"]), int(manifest["since_version"]))
 
@@ -266,5 +308,6 @@ class CheckpointStore:
         """Delete staging directories left by a trainer that died while saving."""
         for parent in (self.job_dir, self.weights_root):
             if parent.is_dir():
-                for entry in parent.glob(".v*.tmp-*"):
-                    shutil.rmtree(entry, ignore_errors=True)
+                for pattern in (".v*.tmp-*", f".{BASE_DIR}.tmp-*"):
+                    for entry in parent.glob(pattern):
+                        shutil.rmtree(entry, ignore_errors=True)

@@ -44,7 +44,7 @@ from services.trainer.job_control import CheckpointUnavailable, JobControl, JobS
 from services.trainer.lineage import Lineage
 from services.trainer.losses import sample_token_weights
 from services.trainer.objective import StepStats
-from services.trainer.policy import Policy, deepspeed_config, init_distributed, write_weights_file
+from services.trainer.policy import Policy, deepspeed_config, init_distributed, write_snapshot
 from services.trainer.prepare import Prepared, prepare
 from services.trainer.reference import ReferenceModel
 from services.trainer.report import (
@@ -185,15 +185,16 @@ class JobRun:
 
     def _load(self) -> SavedCheckpoint | None:
         """Blocking: the newest checkpoint of this job if there is one, else the base model."""
-        from services.tasks import resolve_model_path  # builds a builtin model on demand
+        from services.models import resolve_model_path  # builds or converts a model on demand
 
         self.store.remove_partial()
         resumed = self.store.latest()
-        base_dir = resolve_model_path(self.spec.model.path)
+        base_dir = resolve_model_path(self.spec.model.path, self.spec.model.gguf_file)
         if resumed is not None:
-            model_dir = tokenizer_dir = resumed.directory
             log.info("job %s: resuming from its checkpoint v%d", self.job_id, resumed.handle.version)
-        else:
+        if resumed is not None and self.spec.model.lora is None:
+            model_dir = tokenizer_dir = resumed.directory
+        else:  # a LoRA job's checkpoints hold its adapter: the model is the base one
             model_dir = base_dir
             tokenizer = self.spec.model.tokenizer
             tokenizer_dir = resolve_model_path(tokenizer) if tokenizer else model_dir
@@ -212,6 +213,7 @@ class JobRun:
             device=self.device,
             completed_versions=int(resumed.handle.version) if resumed else 0,
             training_state=resumed.training_state if resumed else None,
+            adapter_from=self._adapter_from(resumed),
         )
         if algorithm.kl_coef > 0:  # the penalty is to the job's base model, also after a resume
             self.reference = ReferenceModel.load(self.spec, base_dir, self.policy.device)
@@ -221,10 +223,20 @@ class JobRun:
             self.critic = Critic.load(self.spec, critic_dir, self.policy.device)
         return resumed
 
+    def _adapter_from(self, resumed: SavedCheckpoint | None) -> Path | None:
+        """Where a LoRA job's adapter starts: its durable checkpoint when it resumes, else
+        model.lora.init_from; None: a fresh adapter, or no LoRA."""
+        lora = self.spec.model.lora
+        if lora is None:
+            return None
+        if resumed is not None:
+            return resumed.directory
+        return Path(lora.init_from) if lora.init_from is not None else None
+
     async def _begin(self, resumed: SavedCheckpoint | None) -> None:
         """A new epoch: v0 of the base model published, or the resumed checkpoint's weights again."""
         self._enter(trainer_pb2.TRAINER_STATE_SAVING)
-        await self.lineage.begin(resumed, self._write_model)
+        await self.lineage.begin(resumed, self._write_model, self._write_base)
         if resumed is not None:
             self.version = int(resumed.handle.version)
         self.progress.last_checkpoint = resumed.handle if resumed else self._published_handle()
@@ -238,6 +250,11 @@ class JobRun:
     def _write_model(self, directory: Path) -> None:
         assert self.policy is not None
         self.policy.save(directory)
+
+    def _write_base(self, directory: Path) -> None:
+        """A LoRA job's base model, which its adapters apply to."""
+        assert self.policy is not None
+        self.policy.save_base(directory)
 
     def _write_training_state(self, directory: Path) -> None:
         """The optimiser and schedule; the critic, if any, in its ``critic/`` subdirectory."""
@@ -385,7 +402,7 @@ class JobRun:
             self._enter(trainer_pb2.TRAINER_STATE_SAVING)
             assert self.policy is not None
             snapshot = await asyncio.to_thread(self.policy.weights_snapshot)
-            write = functools.partial(write_weights_file, snapshot)
+            write = functools.partial(write_snapshot, snapshot, adapter=self.spec.model.lora is not None)
             publication = self.lineage.publish_beside(self.version, write)
             self.lineage.hold(self._in_training, [t for group in groups for t in group.trajectories])
             self._in_training = []

@@ -22,7 +22,7 @@ from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
-from services.trainer.checkpoints import CheckpointStore, PublishedWeights, SavedCheckpoint
+from services.trainer.checkpoints import BaseWeights, CheckpointStore, PublishedWeights, SavedCheckpoint
 from services.trainer.collector import Group, TrainedWindow
 from services.trainer.transport import FilesystemTransport, WeightTransport
 
@@ -58,6 +58,8 @@ class Lineage:
         self.window = TrainedWindow(trainer.keep_checkpoints)
         self.published: PublishedWeights | None = None
         self.durable: SavedCheckpoint | None = None
+        self.base: BaseWeights | None = None
+        """A LoRA job's base model: every handle it publishes is an adapter of it."""
         self._held: list[Delivery[Trajectory]] = []
         """Trained since the newest durable checkpoint: unacked until the next one."""
         self._durable_at = time.monotonic()
@@ -69,12 +71,22 @@ class Lineage:
     def durable_version(self) -> int:
         return int(self.durable.handle.version) if self.durable is not None else 0
 
-    async def begin(self, resumed: SavedCheckpoint | None, write_model: Callable[[Path], None]) -> None:
+    async def begin(
+        self,
+        resumed: SavedCheckpoint | None,
+        write_model: Callable[[Path], None],
+        write_base: Callable[[Path], None] | None = None,
+    ) -> None:
         """Start a new epoch: at ``resumed`` (its handle republished under the new epoch), or at
-        v0 of the base model (``write_model`` writes it)."""
+        v0 of the base model (``write_model`` writes it). A LoRA job's base model is written
+        first (``write_base``) unless an earlier epoch wrote it."""
         newest = await self.bus.latest(self.streams.checkpoints, CheckpointHandle)
         earlier = max(newest.epoch if newest else 0, resumed.handle.epoch if resumed else 0)
         self.epoch = earlier + 1
+        if self.spec.model.lora is not None:
+            if write_base is None:
+                raise ValueError("a LoRA job needs its base model written")
+            self.base = await asyncio.to_thread(self.store.ensure_base, self.spec.model.dtype, write_base)
         if resumed is None:
             await self.publish(0, write_model, write_model)
             self.start_entry = self._last_entry
@@ -86,6 +98,8 @@ class Lineage:
         handle = CheckpointHandle()
         handle.CopyFrom(resumed.handle)
         handle.durable, handle.epoch = False, self.epoch
+        if self.base is not None:
+            handle.adapter.CopyFrom(self.base.to_proto())
         handle.created_at.GetCurrentTime()
         self.published = PublishedWeights(handle, resumed.directory, 0)
         self.start_entry = await self.bus.publish(self.streams.checkpoints, handle)
@@ -99,10 +113,12 @@ class Lineage:
         like = previous.directory if previous is not None else None
         write = write_weights if like is not None else write_model
         published = await asyncio.to_thread(
-            self.store.publish_weights, version, self.epoch, dtype, write, like
+            self.store.publish_weights, version, self.epoch, dtype, write, like, self.base
         )
-        # A first version is a new model for the engines: only its files will do.
-        announced = await self.transport.announce(published) if like is not None else published.handle
+        # A first version is a new model for the engines: only its files will do. An adapter's
+        # few bytes go as files too (an engine merges them into its copy of the base).
+        broadcast = like is not None and self.base is None
+        announced = await self.transport.announce(published) if broadcast else published.handle
         self._last_entry = await self.bus.publish(self.streams.checkpoints, announced)
         self.transport.deliver(announced)
         self.published = published

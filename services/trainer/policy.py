@@ -16,6 +16,7 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 
 from services.common.algorithms import POLICY_LOSSES
 from services.common.config import JobSpec, TrainerConfig
-from services.trainer import distributed
+from services.trainer import adapters, distributed
 from services.trainer.batching import (
     MicroBatch,
     TrainSample,
@@ -213,9 +214,10 @@ def learning_rate_schedule(
     return schedule
 
 
-def _restore_training_state(engine: Any, state: Path, zero_stage: int) -> None:
+def _restore_training_state(engine: Any, state: Path, zero_stage: int, frozen_excluded: bool) -> None:
     """Load the optimiser and schedule saved by ``Policy.save`` into a fresh engine, if their
-    layout matches this run's (a ZeRO partition belongs to one rank of one world size)."""
+    layout matches this run's (a ZeRO partition belongs to one rank of one world size); with
+    ``frozen_excluded`` (LoRA) the saved module state holds the trainable tensors alone."""
     layout = json.loads((state / TRAINING_STATE_FILE).read_text())
     here = {"world_size": distributed.size(), "zero_stage": zero_stage}
     if layout != here:
@@ -224,7 +226,7 @@ def _restore_training_state(engine: Any, state: Path, zero_stage: int) -> None:
     path, _ = engine.load_checkpoint(
         str(state),
         tag=TRAINING_STATE_TAG,
-        load_module_strict=True,
+        load_module_strict=not frozen_excluded,
         load_optimizer_states=True,
         load_lr_scheduler_states=True,
     )
@@ -261,10 +263,40 @@ def write_weights_file(state: dict[str, torch.Tensor], directory: Path) -> None:
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save_weights_file(module: Any, directory: Path) -> None:
-    """The model.safetensors ``save_pretrained`` writes, without its per-call cost (≈20 ms of a
-    step for a 2 MB model)."""
-    write_weights_file(weights_state(module), directory)
+def write_snapshot(state: dict[str, torch.Tensor], directory: Path, *, adapter: bool) -> None:
+    """Write a ``Policy.weights_snapshot``: the model's weights file, or with ``adapter`` (LoRA)
+    the adapter's."""
+    if adapter:
+        adapters.write_adapter_file(state, directory)
+    else:
+        write_weights_file(state, directory)
+
+
+def base_weights_state(module: Any) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a LoRA-wrapped model, named as in the unwrapped model."""
+    state = weights_state(adapters.base_model(module))
+    return {new: tensor for name, tensor in state.items() if (new := adapters.base_name(name)) is not None}
+
+
+def without_dropout(model: torch.nn.Module) -> None:
+    """Turn the model's dropout off (GPT-2's configs have 0.1): the ratio and the mismatch compare the
+    trainer's logprobs with the engines', which sample without dropout, so training must not drop."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # Llama-style attention
+            module.attention_dropout = 0.0
+
+
+def checkpoint_activations(model: Any) -> None:
+    """trainer.gradient_checkpointing: each layer recomputes its activations in backward. Non-reentrant
+    checkpointing, which DeepSpeed, a frozen base under LoRA and the 4D shared-prompt mask all work with."""
+    options = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # its name from transformers 5.25
+    if enable is not None:
+        enable(options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def loaded(what: str, path: str | Path, auto: Any, trust_remote_code: bool) -> Any:
@@ -290,6 +322,8 @@ class Policy:
         """The samples of one prompt share it in their row (trainer.share_prompts, and the model
         honours the mask)."""
         self.zero_stage = zero_stage(spec.trainer)
+        self.lora = spec.model.lora is not None
+        """Only a LoRA adapter trains: it is what ``save`` and ``weights_snapshot`` give."""
         self.device = torch.device(engine.device)
         self.loss_fn = POLICY_LOSSES.get(spec.algorithm.policy_loss).fn
 
@@ -302,6 +336,7 @@ class Policy:
         device: torch.device,
         completed_versions: int = 0,
         training_state: Path | None = None,
+        adapter_from: Path | None = None,
     ) -> Policy:
         """Load weights and tokenizer, and build the optimiser, schedule and DeepSpeed engine.
 
@@ -309,6 +344,8 @@ class Policy:
         moments and step counts, the schedule): restored when it was saved by as many ranks
         with the same ZeRO stage, else the moments start afresh. ``completed_versions``
         (rollout batches trained into these weights) moves the schedule on in that case.
+        With ``model.lora`` the model is wrapped in a LoRA adapter (adapters.py), started from
+        the adapter saved in ``adapter_from`` when given, and only the adapter trains.
         """
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
@@ -330,13 +367,18 @@ class Policy:
         torch.manual_seed(spec.seed)
         # fp32 master weights; DeepSpeed casts the module itself when bf16 or fp16 is on.
         model = loaded("model", model_dir, AutoModelForCausalLM, trust).float()
+        model.config.dtype = spec.model.dtype  # what the saved config says: the published weights' dtype
+        without_dropout(model)
         packed = trainer.packing and packing_works(model, "policy")
         shared = packed and trainer.share_prompts and sharing_works(model, "policy")
+        if trainer.gradient_checkpointing:
+            checkpoint_activations(model)
         if trainer.autocast != "off":
             keep_head_in_float32(model)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay
-        )
+        if spec.model.lora is not None:
+            model = adapters.wrap(model, spec.model.lora, adapter_from)
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -344,7 +386,7 @@ class Policy:
             config=config,
         )
         if training_state is not None:
-            _restore_training_state(engine, training_state, zero_stage(trainer))
+            _restore_training_state(engine, training_state, zero_stage(trainer), spec.model.lora is not None)
         return cls(engine, tokenizer, spec, packed, shared)
 
     def optimise(
@@ -429,45 +471,74 @@ class Policy:
 
     def save(self, directory: Path) -> None:
         """The weights as an HF-loadable directory in the engine's dtype (the module's: DeepSpeed
-        casts it to model.dtype): one model.safetensors, config, tokenizer files.
+        casts it to model.dtype): one model.safetensors, config, tokenizer files; with LoRA the
+        adapter as peft saves it (adapter_model.safetensors, adapter_config.json).
 
         With several ranks every rank calls it, on the same (shared) directory: ZeRO-3
         gathers the weights for rank 0 to write.
         """
         self.save_weights(directory)
-        if distributed.rank() == 0:
-            module = self.engine.module
-            module.config.save_pretrained(directory)
-            generation = getattr(module, "generation_config", None)
-            if generation is not None:
-                generation.save_pretrained(directory)
-            self.tokenizer.save_pretrained(directory)
+        if distributed.rank() != 0:
+            return
+        if self.lora:
+            adapters.write_adapter_config(self.engine.module, directory)
+        else:
+            self._save_model_files(self.engine.module, directory)
+
+    def _save_model_files(self, model: Any, directory: Path) -> None:
+        """The files of an HF directory beside the weights: config, generation config, tokenizer."""
+        model.config.save_pretrained(directory)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
 
     def save_weights(self, directory: Path) -> None:
-        """Only model.safetensors of ``save`` (the other files do not change between steps)."""
+        """Only the weights file of ``save`` (the other files do not change between steps)."""
+        snapshot = self.weights_snapshot()
+        if snapshot is not None:
+            write_snapshot(snapshot, directory, adapter=self.lora)
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor] | None:
+        """A CPU copy of what ``save_weights`` writes (with LoRA, the adapter's tensors), for
+        writing while training goes on (rank 0's; None on the others). Call it on every rank:
+        ZeRO-3 gathers the shards."""
         import deepspeed
 
         module = self.engine.module
         gather = self.zero_stage == 3  # ZeRO-3 holds only shards: gather them to save
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
-            if distributed.rank() == 0:
-                save_weights_file(module, directory)
+        wanted = [p for p in module.parameters() if p.requires_grad or not self.lora]
+        with deepspeed.zero.GatheredParameters(wanted, enabled=gather):
+            if distributed.rank() != 0:
+                return None
+            if self.lora:
+                return adapters.adapter_state(module, snapshot=True)
+            return weights_state(module, snapshot=True)
 
-    def weights_snapshot(self) -> dict[str, torch.Tensor] | None:
-        """A CPU copy of what ``save_weights`` writes, for writing while training goes on (rank
-        0's; None on the others). Call it on every rank: ZeRO-3 gathers the shards."""
+    def save_base(self, directory: Path) -> None:
+        """The frozen base model of a LoRA policy as an HF-loadable directory in the engine's
+        dtype (model.safetensors, config, tokenizer files): what its adapters apply to. Call it
+        on every rank (ZeRO-3 gathers)."""
         import deepspeed
 
         module = self.engine.module
         gather = self.zero_stage == 3
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
-            return weights_state(module, snapshot=True) if distributed.rank() == 0 else None
+            if distributed.rank() != 0:
+                return
+            write_weights_file(base_weights_state(module), directory)
+            self._save_model_files(adapters.base_model(module), directory)
 
     def save_training_state(self, directory: Path) -> None:
         """DeepSpeed's checkpoint of the optimiser and schedule in ``directory/training_state``;
         every rank writes its own optimiser partition (call it on every rank)."""
         state = directory / TRAINING_STATE_DIR
-        self.engine.save_checkpoint(str(state), tag=TRAINING_STATE_TAG, save_latest=False)
+        # With LoRA the frozen base stays out: the checkpoint holds the adapter and its moments.
+        trainable_only = adapters.trainable_state_only(self.engine.module) if self.lora else nullcontext()
+        with trainable_only:
+            self.engine.save_checkpoint(
+                str(state), tag=TRAINING_STATE_TAG, save_latest=False, exclude_frozen_parameters=self.lora
+            )
         if distributed.rank() == 0:
             layout = {"world_size": distributed.size(), "zero_stage": self.zero_stage}
             (state / TRAINING_STATE_FILE).write_text(json.dumps(layout))

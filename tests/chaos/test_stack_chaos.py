@@ -171,7 +171,7 @@ def published_ids(url: str, job_id: str) -> set[str]:
 
 
 def test_a_job_survives_twenty_sigkills_and_a_redis_restart(tmp_path: Path) -> None:
-    from services.tasks import resolve_model_path
+    from services.models import resolve_model_path
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     runs = tmp_path / "runs"

@@ -25,7 +25,7 @@ TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from services.tasks import resolve_model_path
+    from services.models import resolve_model_path
 
     resolve_model_path("builtin:addition")
     logs = tmp_path_factory.mktemp("bad-spec-logs")
@@ -44,7 +44,7 @@ def base_spec(tmp_path: Path) -> dict[str, Any]:
 
 def broken_weights(tmp_path: Path) -> dict[str, Any]:
     """A model directory whose config reads but whose weights file is garbage."""
-    from services.tasks import resolve_model_path
+    from services.models import resolve_model_path
 
     model = tmp_path / "broken-model"
     shutil.copytree(resolve_model_path("builtin:addition"), model)

@@ -77,7 +77,7 @@ def weight_loads(metrics_url: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("transport", ["filesystem", "distributed"])
 def test_grpo_job_learns_end_to_end(tmp_path: Path, transport: str) -> None:
-    from services.tasks import resolve_model_path
+    from services.models import resolve_model_path
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     checkpoints = tmp_path / "runs"

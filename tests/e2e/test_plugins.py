@@ -77,7 +77,7 @@ def issued_source_ids(redis_url: str, job_id: str) -> list[str]:
 
 
 def test_a_job_runs_a_users_plugin_at_every_plugin_point(tmp_path: Path) -> None:
-    from services.tasks import resolve_model_path
+    from services.models import resolve_model_path
 
     resolve_model_path("builtin:addition")  # built once and cached, outside the job's clock
     config = StackConfig(log_dir=tmp_path / "logs", api_port=0, router_port=0, engine_port=0,

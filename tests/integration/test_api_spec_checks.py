@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from huggingface_hub import constants
 
 from services.api.config import ApiSettings
 from services.api.server import create_app
@@ -20,6 +21,7 @@ from services.common.pb import reward_pb2_grpc
 from services.reward.config import RewardSettings
 from services.reward.server import SERVICE_NAME, RewardServicer
 from tests.helpers import serve
+from tests.unit.test_model_paths import REPO, REVISION, save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,25 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
         "model path missing",
         {"model": {"path": "/no/such/model"}},
         "model.path",
-        "not a readable model directory",
+        "'/no/such/model' does not exist",
+    ),
+    (
+        "hub id not in the local cache",
+        {"model": {"path": "verst-tests/no-such-model"}},
+        "model.path",
+        "the hub id is not in the local Hugging Face cache",
+    ),
+    (
+        "a GGUF file that is not there",
+        {"model": {"path": "/", "gguf_file": "no-such.Q4_0.gguf"}},
+        "model.gguf_file",
+        "'/' has no GGUF file 'no-such.Q4_0.gguf'",
+    ),
+    (
+        "a directory without config.json",
+        {"model": {"path": "/"}},
+        "model.path",
+        "has no readable config.json",
     ),
     (
         "unknown builtin model",
@@ -108,10 +128,22 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
         "tokenizer missing",
         {"model": {"tokenizer": "/no/such/tok"}},
         "model.tokenizer",
-        "not a readable directory",
+        "'/no/such/tok' does not exist",
     ),
     ("train file missing", {"data": {"train": "/no/such.jsonl"}}, "data.train", "cannot read prompts"),
     ("eval file missing", {"data": {"eval": "/no/such.jsonl"}}, "data.eval", "cannot read prompts"),
+    (
+        "eval set file missing",
+        {"eval": {"sets": {"hard": {"location": "/no/such.jsonl"}}}},
+        "eval.sets.hard.location",
+        "cannot read prompts",
+    ),
+    (
+        "eval set of an unknown builtin task",
+        {"eval": {"sets": {"odd": {"location": "builtin:nope"}}}},
+        "eval.sets.odd.location",
+        "unknown task 'nope'",
+    ),
     ("unknown builtin task", {"data": {"train": "builtin:nope"}}, "data.train", "unknown task 'nope'"),
     (
         "a size out of bounds",
@@ -183,6 +215,10 @@ async def test_paths_are_confined_to_their_roots(submit: Any, tmp_path: Path, mo
         ("model.path", {"model": {"path": str(root / "escape")}}),  # a symlink out of the root
         ("model.tokenizer", {"model": {"tokenizer": f"{root}/../model"}}),
         ("data.eval", {"data": {"train": train, "eval": "/etc/passwd"}}),
+        (
+            "eval.sets.x.location",
+            {"data": {"train": train}, "eval": {"sets": {"x": {"location": "/etc/passwd"}}}},
+        ),
         ("trainer.checkpoint_dir", {"trainer": {"checkpoint_dir": str(tmp_path / "ck" / ".." / "x")}}),
         ("trainer.checkpoint_dir", {"trainer": {"checkpoint_dir": "/tmp"}}),
     ]:
@@ -215,3 +251,40 @@ async def test_a_user_source_is_confined_by_its_traits(submit: Any, tmp_path: Pa
     assert (await submit({"data": arithmetic}, **roots)).status_code == 201, "no path to confine"
     problems = fields(await submit({"data": {"source": "tests.no_such:rows", "train": "x"}}, **roots))
     assert "cannot import" in problems["data.source"]
+
+
+async def test_a_hub_id_in_the_local_cache_is_read_offline(
+    submit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id resolves to its snapshot in the local Hugging Face cache, whose tokenizer checks the
+    prompts; it passes the roots' confinement (nothing outside the cache is read for it)."""
+    repo = tmp_path / "hub" / f"models--{REPO.replace('/', '--')}"
+    save_tiny_model(repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    root = tmp_path / "data"
+    root.mkdir()
+    long = write_jsonl(root / "long.jsonl", ["x" * 50, "y" * 60])
+    spec = {"model": {"path": REPO}, "data": {"train": long, "eval": None, "max_prompt_tokens": 20}}
+    problems = fields(await submit(spec, VERST_DATA_ROOTS=str(root)))
+    assert list(problems) == ["data.max_prompt_tokens"], problems  # read with the cached tokenizer
+    short = write_jsonl(root / "short.jsonl", ["1+1="])
+    reply = await submit({**spec, "data": {**spec["data"], "train": short}}, VERST_DATA_ROOTS=str(root))
+    assert reply.status_code == 201, reply.text
+
+
+async def test_a_lora_init_from_must_be_a_saved_adapter_inside_the_roots(
+    submit: Any, tmp_path: Path, model_dir: Path
+) -> None:
+    root = tmp_path / "data"
+    saved = root / "adapter"
+    saved.mkdir(parents=True)
+    (saved / "adapter_config.json").write_text("{}")
+    spec = {"model": {"path": str(model_dir), "lora": {"init_from": str(saved)}}}
+    missing = fields(await submit(spec))
+    assert "holds no readable adapter_model.safetensors" in missing["model.lora.init_from"]
+    (saved / "adapter_model.safetensors").write_bytes(b"")
+    assert (await submit(spec)).status_code == 201, "the trainer checks its rank and targets"
+    outside = fields(await submit(spec, VERST_DATA_ROOTS=str(tmp_path / "elsewhere")))
+    assert "must lie in VERST_DATA_ROOTS" in outside["model.lora.init_from"]

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.data import encode_prompt
-from services.tasks import addition_model, ensure_builtin_model, resolve_model_path
+from services.models import resolve_model_path
+from services.tasks import addition_model, ensure_builtin_model
 from services.tasks.addition import AdditionProblem, WarmupRecipe, carry_dropped_answer
 from services.tasks.addition_model import build_char_tokenizer
 from services.tasks.models import STAMP_FILE, Recipe, cached_model_paths, read_stamp

@@ -138,7 +138,7 @@ def test_files_are_sized_by_concept(folder: str) -> None:
 
 
 SERVICE_PACKAGES = ("api", "controller", "router", "rollout", "runner", "reward", "trainer")
-"""Each runs as its own process; shared code lives in common/, data/ and tasks/."""
+"""Each runs as its own process; shared code lives in common/, data/, tasks/ and models/."""
 HOSTED = {("api", "controller")}
 """The api runs the controller in its process unless VERST_API_CONTROLLER=false."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.trainer_sides import PlainModel, Shape, job_spec, rl_batch
-from services.tasks import resolve_model_path
+from services.models import resolve_model_path
 
 SHAPE = Shape(groups=2, group_size=3, max_new_tokens=6)
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9]]

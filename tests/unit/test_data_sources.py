@@ -71,7 +71,7 @@ def test_explicit_source_overrides_the_form_of_the_location() -> None:
 
 
 def test_the_job_spec_refuses_an_unknown_source_naming_the_field() -> None:
-    errors = spec_errors({"source": "parquet"})
+    errors = spec_errors({"source": "excel"})
     assert list(errors) == ["data.source"]
     assert f"one of {', '.join(DATA_SOURCES.names())}, or a user's module:function" in errors["data.source"]
     assert "is a location" in spec_errors({"source": "builtin:addition"})["data.source"]
@@ -100,9 +100,13 @@ def test_a_bad_user_path_fails_clearly(source: str, message: str) -> None:
 
 
 def test_the_built_ins_declare_their_traits() -> None:
-    assert DATA_SOURCES.names() == ("builtin", "jsonl")
-    assert DATA_SOURCES.declared("builtin") == {"endless": True, "reads_path": False, "suffixes": ()}
-    assert DATA_SOURCES.declared("jsonl") == {"endless": False, "reads_path": True, "suffixes": (".jsonl",)}
+    assert {"builtin", "csv", "datasets", "jsonl", "parquet"} <= set(DATA_SOURCES.names())
+    plain = {"endless": False, "reads_path": True, "suffixes": (), "markers": ()}
+    assert DATA_SOURCES.declared("builtin") == {**plain, "endless": True, "reads_path": False}
+    assert DATA_SOURCES.declared("jsonl") == {**plain, "suffixes": (".jsonl",)}
+    assert DATA_SOURCES.declared("parquet") == {**plain, "suffixes": (".parquet",)}
+    assert DATA_SOURCES.declared("csv") == {**plain, "suffixes": (".csv",)}
+    assert DATA_SOURCES.declared("datasets") == {**plain, "markers": ("dataset_dict.json", "state.json")}
     arithmetic, tsv = DATA_SOURCES.resolve(ARITHMETIC), DATA_SOURCES.resolve(TSV)
     assert (arithmetic.endless, arithmetic.reads_path) == (True, False)
     assert (tsv.endless, tsv.reads_path) == (False, True)

@@ -1,9 +1,12 @@
 """Which periodic evaluations are covered (services/controller/evaluation.dues_without_result): an
-evaluation made for due u of version v covers the dues u..v; a row without its due, its interval."""
+evaluation made for due u of version v covers the dues u..v; a row without its due, its interval.
+And the metric row of one evaluation: each set's names, and the versions that served it."""
 
 from __future__ import annotations
 
-from services.controller.evaluation import dues_without_result
+from services.common.config import DEFAULT_EVAL_SET
+from services.controller.eval_scores import PromptOutcome, set_scores
+from services.controller.evaluation import SERVED_VERSION, SERVED_VERSION_MAX, EvalResult, dues_without_result
 
 
 def test_an_evaluation_covers_the_dues_from_its_own_to_its_version() -> None:
@@ -23,3 +26,14 @@ def test_a_row_without_its_due_covers_its_own_interval() -> None:
 def test_no_evaluation_covers_no_due() -> None:
     assert dues_without_result([], [2, 4], 2) == [2, 4]
     assert dues_without_result([(4, 2.0)], [], 2) == []
+
+
+def test_a_result_names_each_sets_metrics_and_the_versions_that_served_it() -> None:
+    greedy = set_scores([PromptOutcome(1.0), PromptOutcome(0.0)], [])
+    sampled = set_scores([PromptOutcome(1.0, samples=2, samples_right=1)], [1, 2])
+    result = EvalResult(version=4, newest_version=5, sets={DEFAULT_EVAL_SET: greedy, "hard": sampled})
+    values = result.metric_values()
+    assert (values["accuracy"], values["num_prompts"]) == (0.5, 2.0), "data.eval's set: unprefixed"
+    assert (values["hard/accuracy"], values["hard/mean@2"], values["hard/pass@2"]) == (1.0, 0.5, 1.0)
+    assert (values[SERVED_VERSION], values[SERVED_VERSION_MAX]) == (4.0, 5.0)
+    assert "mean@2" not in values and "hard/reward_mean" in values

@@ -12,7 +12,8 @@ from pathlib import Path
 import filelock
 import pytest
 
-from services.tasks import ModelPathError, builtin_model, ensure_builtin_model, resolve_model_path
+from services.models import resolve_model_path
+from services.tasks import ModelPathError, builtin_model, ensure_builtin_model
 from services.tasks.addition import WarmupRecipe
 from services.tasks.models import STAMP_FILE, build_into_place, cached_model_paths, read_stamp
 from services.tasks.multiply import ToolRecipe
@@ -42,7 +43,7 @@ def test_resolve_model_path_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelPathError, match="does not exist"):
         resolve_model_path(str(tmp_path / "missing"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ModelPathError, match="is not a directory"):
+    with pytest.raises(ModelPathError, match=r"is a file: a model path is a directory or a \.gguf file"):
         resolve_model_path(str(tmp_path / "file"))
     assert resolve_model_path(str(tmp_path)) == tmp_path.resolve()
 

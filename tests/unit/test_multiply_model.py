@@ -15,9 +15,10 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.common.config import RolloutConfig
 from services.data import encode_prompt
+from services.models import resolve_model_path
 from services.runner.episode import render_observation
 from services.runner.toolcalls import formats_of, parse_tool_calls
-from services.tasks import ensure_builtin_model, multiply_model, resolve_model_path
+from services.tasks import ensure_builtin_model, multiply_model
 from services.tasks.models import STAMP_FILE, Recipe, read_stamp
 from services.tasks.multiply import (
     MultiplyProblem,

@@ -101,7 +101,7 @@ def test_numeric_without_a_number() -> None:
 
 
 def test_the_registry_holds_every_builtin_verifier() -> None:
-    names = {"exact_match", "numeric", "math", "code", *TASKS, *TASK_VERIFIERS}
+    names = {"exact_match", "numeric", "math", "code", "reasoning_gym", *TASKS, *TASK_VERIFIERS}
     assert set(VERIFIER_REGISTRY.names()) == names == set(VERIFIERS)
     assert VERIFIER_REGISTRY.where(configurable=True) == {"numeric", "math", "code"}
     assert VERIFIER_REGISTRY.get("exact_match").fn is exact_match is VERIFIERS["exact_match"]

@@ -90,7 +90,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptTask(_message.Message):
-    __slots__ = ("prompt_id", "job_id", "group_id", "prompt_token_ids", "prompt_text", "n_samples", "sampling", "answer", "verifier", "split", "policy_version", "max_turns", "tools", "attempt", "metadata", "created_at", "policy_epoch")
+    __slots__ = ("prompt_id", "job_id", "group_id", "prompt_token_ids", "prompt_text", "n_samples", "sampling", "answer", "verifier", "split", "policy_version", "max_turns", "tools", "attempt", "metadata", "created_at", "policy_epoch", "messages_json")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class PromptTask(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     POLICY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     job_id: str
     group_id: str
@@ -132,7 +133,8 @@ class PromptTask(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
     policy_epoch: int
-    def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_epoch: _Optional[int] = ...) -> None: ...
+    messages_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., n_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., answer: _Optional[str] = ..., verifier: _Optional[str] = ..., split: _Optional[_Union[Split, str]] = ..., policy_version: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_epoch: _Optional[int] = ..., messages_json: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("id", "job_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "policy_versions", "reward", "reward_components", "reward_error", "finish_reason", "num_turns", "split", "engine_id", "metadata", "created_at", "stages", "verifier_reward")
@@ -211,7 +213,7 @@ class StageTimes(_message.Message):
     def __init__(self, issued: _Optional[float] = ..., picked: _Optional[float] = ..., generated: _Optional[float] = ..., scored: _Optional[float] = ..., published: _Optional[float] = ...) -> None: ...
 
 class CheckpointHandle(_message.Message):
-    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype", "broadcast")
+    __slots__ = ("job_id", "version", "uri", "format", "sha256", "step", "created_at", "size_bytes", "durable", "epoch", "dtype", "broadcast", "adapter")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,7 @@ class CheckpointHandle(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
     uri: str
@@ -236,7 +239,18 @@ class CheckpointHandle(_message.Message):
     epoch: int
     dtype: str
     broadcast: WeightsBroadcast
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., durable: _Optional[bool] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., broadcast: _Optional[_Union[WeightsBroadcast, _Mapping]] = ...) -> None: ...
+    adapter: LoraAdapter
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., uri: _Optional[str] = ..., format: _Optional[str] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., durable: _Optional[bool] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., broadcast: _Optional[_Union[WeightsBroadcast, _Mapping]] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("base_uri", "base_sha256", "base_size_bytes")
+    BASE_URI_FIELD_NUMBER: _ClassVar[int]
+    BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    base_uri: str
+    base_sha256: str
+    base_size_bytes: int
+    def __init__(self, base_uri: _Optional[str] = ..., base_sha256: _Optional[str] = ..., base_size_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -376,7 +390,7 @@ class DeadLetter(_message.Message):
     def __init__(self, source_stream: _Optional[str] = ..., entry_id: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., delivery_count: _Optional[int] = ..., dead_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., no_replacement: _Optional[bool] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id", "weight_transports")
+    __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id", "weight_transports", "decode_path", "decode_path_reason")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +403,8 @@ class EngineInfo(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PATH_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PATH_REASON_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     backend: str
@@ -401,4 +417,6 @@ class EngineInfo(_message.Message):
     last_heartbeat: _timestamp_pb2.Timestamp
     job_id: str
     weight_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[EngineState, str]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    decode_path: str
+    decode_path_reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[EngineState, str]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., decode_path: _Optional[str] = ..., decode_path_reason: _Optional[str] = ...) -> None: ...

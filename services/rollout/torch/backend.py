@@ -11,7 +11,7 @@ async def open_torch_engine(settings: EngineSettings) -> TorchEngine:
     """A started TorchEngine with the settings' device, dtype and batching."""
     engine = TorchEngine(
         device=resolve_device(settings.device),
-        dtype=DTYPES[settings.dtype],
+        dtype=None if settings.dtype == "auto" else DTYPES[settings.dtype],
         max_batch_size=settings.max_batch_size,
         batch_wait_s=settings.batch_wait_ms / 1000.0,
         max_prefill_tokens=settings.max_prefill_tokens,

@@ -40,7 +40,7 @@ from services.rollout.engine_protocol import (
 from services.rollout.torch.continuous import ContinuousBatch
 from services.rollout.torch.decoder import unsupported_reason
 from services.rollout.torch.engine_weights import EngineWeights
-from services.rollout.torch.model import decode_batch
+from services.rollout.torch.model import decode_batch, decode_path
 from services.rollout.torch.requests import (
     LiveRequests,
     LoadedModel,
@@ -65,7 +65,7 @@ class TorchEngine(EngineWeights):
         self,
         *,
         device: torch.device,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         max_batch_size: int,
         batch_wait_s: float,
         max_prefill_tokens: int = 4096,
@@ -74,6 +74,7 @@ class TorchEngine(EngineWeights):
     ) -> None:
         self.device = device
         self.dtype = dtype
+        """The dtype it serves weights in; None: each checkpoint's own (``model.load_model``)."""
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_prefill_tokens = max_prefill_tokens
@@ -201,6 +202,7 @@ class TorchEngine(EngineWeights):
                 loading=bool(self._loading) or self._pending is not None,
                 paused=self._paused,
             )
+            path, reason = decode_path(self._loaded.model) if self._loaded is not None else ("", "")
             return EngineStatus(
                 state=state,
                 policy_version=self._version,
@@ -209,6 +211,8 @@ class TorchEngine(EngineWeights):
                 running_requests=len(running_requests),
                 queued_requests=len(queued_requests),
                 outstanding_tokens=outstanding,
+                decode_path=path,
+                decode_path_reason=reason,
             )
 
     # -- the worker ----------------------------------------------------------
@@ -242,9 +246,7 @@ class TorchEngine(EngineWeights):
             return batch  # a new model waits for the batch to drain (see _take_update)
         if self._static_model is loaded:
             return None
-        reason = unsupported_reason(loaded.model)
-        if reason is not None:
-            log.warning("static batches on transformers' forward for this model: %s", reason)
+        if unsupported_reason(loaded.model) is not None:  # load_model logged why
             self._static_model, self._batch = loaded, None
             return None
         self._batch = ContinuousBatch(

@@ -15,6 +15,7 @@ import torch
 
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.engine_protocol import EngineStoppedError, GenerationRequest, ServedWeights
+from services.rollout.torch.adapters import read_adapter_update
 from services.rollout.torch.decoder import freeze_long_lived_objects
 from services.rollout.torch.model import read_update, serial_torch
 from services.rollout.torch.requests import LiveRequests, LoadedModel, Row, WeightUpdate
@@ -26,7 +27,7 @@ class EngineWeights:
 
     receives_state_dicts = True
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     default_update_mode: int
     _cond: threading.Condition
     _live: LiveRequests
@@ -72,6 +73,31 @@ class EngineWeights:
                 read_update(update, sha256, current=current, device=self.device, dtype=self.dtype)
 
         return self._install(update, timeout_s, read)
+
+    async def load_adapter(
+        self,
+        path: Path,
+        *,
+        sha256: str,
+        base: Path,
+        base_sha256: str,
+        version: int,
+        job_id: str,
+        mode: int,
+        timeout_s: float,
+    ) -> ServedWeights:
+        """Serve the LoRA adapter in ``path`` applied to the base model in ``base`` (adapters.py:
+        merged from the pristine base off the worker, copied in between decode steps)."""
+        update = WeightUpdate(version=version, job_id=job_id, path=path, mode=self._mode(mode))
+
+        def read(current: LoadedModel | None) -> None:
+            with serial_torch():
+                read_adapter_update(
+                    update, sha256, base, base_sha256, current=current, device=self.device, dtype=self.dtype
+                )
+
+        update = await asyncio.to_thread(self._install, update, timeout_s, read)
+        return ServedWeights(update.version, update.job_id, update.path, update.mode, update.aborted_requests)
 
     async def load_state_dict(
         self,
@@ -156,7 +182,7 @@ class EngineWeights:
                 new_model = update.model
             else:
                 assert self._loaded is not None and update.state_dict is not None
-                copy_into_model(self._loaded.model, update.state_dict)
+                copy_into_model(self._loaded.model, update.state_dict, partial=update.partial)
                 new_model = self._loaded
         except Exception as err:  # whatever went wrong, the waiting caller hears of it
             update.error = (

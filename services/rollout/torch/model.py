@@ -12,13 +12,22 @@ from typing import Any, Protocol
 
 import torch
 
+from services.rollout.torch.decoder import unsupported_reason
 from services.rollout.torch.requests import LoadedModel, Row, WeightUpdate, record_tokens
 from services.rollout.torch.sampler import BatchSampler
-from services.rollout.weights import CheckpointError, read_config, read_verified_state_dict, verify_weights
+from services.rollout.weights import (
+    WEIGHTS_FILE,
+    CheckpointError,
+    read_config,
+    read_verified_state_dict,
+    verify_weights,
+)
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""safetensors' names of the floating-point dtypes."""
 _FROM_PRETRAINED_LOCK = threading.Lock()
 """from_pretrained switches process-wide state (meta-device init): one load at a time."""
 
@@ -60,12 +69,35 @@ def serial_torch() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def load_model(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load an HF causal LM directory (and its tokenizer, if it has one) for inference."""
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype of a checkpoint's floating-point weights, read from its safetensors header (the
+    trainer writes them in the job's model.dtype); float32 when it holds none."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+            dtype = SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype())
+            if dtype is not None:
+                return dtype
+    return torch.float32
+
+
+def decode_path(model: torch.nn.Module) -> tuple[str, str]:
+    """("fast", "") when the slot decoder runs ``model``, else ("general", why not): transformers'
+    forward in static batches, which runs any causal LM (EngineInfo.decode_path)."""
+    reason = unsupported_reason(model)
+    return ("fast", "") if reason is None else ("general", reason)
+
+
+def load_model(path: Path, *, device: torch.device, dtype: torch.dtype | None) -> LoadedModel:
+    """Load an HF causal LM directory (and its tokenizer, if it has one) for inference, in
+    ``dtype`` (None: the dtype its weights were saved in)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if dtype is None:
+        dtype = checkpoint_dtype(path)
     with _FROM_PRETRAINED_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         try:
@@ -73,6 +105,15 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loade
         except (OSError, ValueError, KeyError):
             tokenizer = None  # stop strings need one; token-in/token-out does not
     config = model.config
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning(
+            "loaded %s (%s, %s): the general decode path, transformers' forward in static batches, "
+            "because the fast path does not support it: %s",
+            path, config.model_type, dtype, reason,
+        )  # fmt: skip
+    else:
+        log.info("loaded %s (%s, %s): the fast decode path (slot decoder)", path, config.model_type, dtype)
     eos = _token_ids(config.eos_token_id)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
@@ -97,13 +138,14 @@ def read_update(
     *,
     current: LoadedModel | None,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
 ) -> None:
     """Read and verify ``update``'s checkpoint for the worker to install: the state dict to copy
     into ``current`` when the architecture is the same, else a new model. Raises CheckpointError."""
     path = update.path
     config = read_config(path)
-    if current is not None and current.config == config:
+    # A model serving a LoRA base has adapter weights merged into it: never a copy's target.
+    if current is not None and current.config == config and not current.base_sha256:
         update.state_dict = read_verified_state_dict(path, sha256)
         return
     verify_weights(path, sha256)

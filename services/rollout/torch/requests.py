@@ -36,6 +36,10 @@ class LoadedModel:
     keeps_last_logits: bool
     """Whether forward takes ``logits_to_keep`` (skip the LM head on the prompt)."""
     config: dict[str, Any] = field(default_factory=dict)
+    base_sha256: str = ""
+    """Set when the model is a LoRA base with adapters merged in (adapters.py): its sha256."""
+    pristine: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The base's own copy of every weight an adapter adapted (CPU), to merge each version from."""
 
 
 @dataclass(eq=False)
@@ -67,6 +71,8 @@ class WeightUpdate:
     mode: int
     model: LoadedModel | None = None
     state_dict: dict[str, torch.Tensor] | None = None
+    partial: bool = False
+    """The state dict holds some of the model's tensors (merged adapter weights), not all."""
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
     aborted_requests: int = 0
