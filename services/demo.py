@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +75,21 @@ def follow(stack: Stack, job_id: str, steps: int) -> dict[str, Any]:
             time.sleep(POLL_S)
 
 
-def prepare_model(model_path: str) -> None:
-    """Build (or find cached) the builtin base model before the services need it."""
-    if model_path.startswith("builtin:"):
-        from services.models import resolve_model_path
+def seconds_per_step(history: list[dict[str, Any]]) -> float:
+    """The median wall time between consecutive trainer steps' metrics (nan with fewer than two)."""
+    times = sorted(
+        datetime.fromisoformat(row["time"]).timestamp() for row in history if row["source"] == "trainer"
+    )
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    return statistics.median(gaps) if gaps else float("nan")
 
-        print(f"base model {model_path}: {resolve_model_path(model_path)}", flush=True)
+
+def prepare_model(model_path: str) -> None:
+    """Build a builtin model, or convert a GGUF file, once (or find it cached) before the services
+    need it; a hub id is found in the local cache."""
+    from services.models import resolve_model_path
+
+    print(f"base model {model_path}: {resolve_model_path(model_path)}", flush=True)
 
 
 def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
@@ -92,11 +104,14 @@ def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
         print(f"job {job_id}: {spec.trainer.steps} steps of {spec.algorithm.advantage}", flush=True)
         job = follow(stack, job_id, spec.trainer.steps)
         history = job_history(stack.api_url, job_id)
+        peaks = stack.peak_memory()
     seconds = time.monotonic() - started
     png = plot(history, out_dir / f"{job_id}.png", f"verst demo: {job_id}")
     versions, accuracy = series(history, "eval", "accuracy")
     for version, value in zip(versions, accuracy, strict=True):
         print(f"  held-out accuracy at version {version:>3}: {value:.3f}")
+    print("  peak memory: " + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in peaks.items()))
+    print(f"  seconds per step: {seconds_per_step(history):.2f} (median, trainer's metric times)")
     if job["state"] != "JOB_STATE_SUCCEEDED" or not accuracy:
         print(f"demo: job {job_id} ended {job['state']}: {job.get('reason', '')}")
         return 1

@@ -188,6 +188,21 @@ class Stack:
         self.children.append(child)
         log.info("started %s (pid %d), log %s", child.name, child.process.pid, log_path)
 
+    def peak_memory(self) -> dict[str, int]:
+        """Each running child's peak resident memory so far, in bytes (the kernel's VmHWM; Linux)."""
+        peaks: dict[str, int] = {}
+        for child in self.children:
+            if child.process is None or child.process.poll() is not None:
+                continue
+            try:
+                status = Path(f"/proc/{child.process.pid}/status").read_text()
+            except OSError:  # not Linux, or it just ended
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[child.name] = int(line.split()[1]) * 1024
+        return peaks
+
     def wait_ready(self) -> None:
         """Block until every child is healthy; raise naming the one that died or hung."""
         deadline = time.monotonic() + self.config.ready_timeout_s

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from services.demo import plot, series
+from services.demo import plot, seconds_per_step, series
 
 HISTORY = [
     {"step": 0, "source": "eval", "values": {"accuracy": 0.25}},
@@ -26,3 +27,15 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = plot(HISTORY, tmp_path / "sub" / "curves.png", "a job")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+def test_seconds_per_step_is_the_median_gap_between_trainer_metrics() -> None:
+    rows = [
+        {"source": "trainer", "time": "2026-12-05T10:00:00+00:00"},
+        {"source": "eval", "time": "2026-12-05T10:00:01+00:00"},
+        {"source": "trainer", "time": "2026-12-05T10:00:02+00:00"},
+        {"source": "trainer", "time": "2026-12-05T10:00:05+00:00"},
+        {"source": "trainer", "time": "2026-12-05T10:00:06+00:00"},
+    ]
+    assert seconds_per_step(rows) == 2.0  # gaps 2, 3, 1
+    assert math.isnan(seconds_per_step(rows[:1]))
