@@ -52,6 +52,7 @@ from typing import Any, Literal, Protocol
 from services.common.plugins import PLUGIN_PATH, REFUSED_PACKAGES, is_plugin_path
 from services.common.registry import Entry, Registry
 from services.data.prompts import DataError, PromptExample
+from services.data.rows import RowSettings
 
 Split = Literal["train", "eval"]
 """Which rows a source is asked for: the training prompts or the held-out ones."""
@@ -65,23 +66,9 @@ SOURCE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 """The form of a registered source's name, and of a location's ``<name>:`` prefix."""
 
 
-class SourceSettings(Protocol):
-    """The fields of the job's data section (``DataConfig``) that a source may read."""
-
-    @property
-    def prompt_field(self) -> str: ...
-
-    @property
-    def answer_field(self) -> str: ...
-
-    @property
-    def messages_field(self) -> str: ...
-
-    @property
-    def metadata_fields(self) -> Collection[str]: ...
-
-    @property
-    def format(self) -> str: ...
+class SourceSettings(RowSettings, Protocol):
+    """The fields of the job's data section (``DataConfig``) that a source may read: how a row is
+    read (rows.py), the splits, and the source's options."""
 
     @property
     def train_split(self) -> str | None: ...
