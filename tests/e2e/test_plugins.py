@@ -95,7 +95,8 @@ def test_a_job_runs_a_users_plugin_at_every_plugin_point(tmp_path: Path) -> None
         trajectories = published_trajectories(stack.redis_url, job_id)
         prompt_ids = issued_source_ids(stack.redis_url, job_id)
         peaks = stack.peak_memory()
-    assert set(peaks) == {child.name for child in stack.children} and min(peaks.values()) > 10 * 2**20
+        names = {child.name for child in stack.children}
+    assert set(peaks) == names and min(peaks.values()) > 10 * 2**20
     assert job["state"] == "JOB_STATE_SUCCEEDED", (job, time.monotonic() - started)
     assert job["policy_version"] == 6
 
