@@ -98,6 +98,28 @@ class GenerateChunk(_message.Message):
     error: str
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., engine_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateResult(_message.Message):
+    __slots__ = ("response", "code", "details")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    response: GenerateResponse
+    code: int
+    details: str
+    def __init__(self, response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[GenerateResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[GenerateResult, _Mapping]]] = ...) -> None: ...
+
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("handle", "mode")
     HANDLE_FIELD_NUMBER: _ClassVar[int]

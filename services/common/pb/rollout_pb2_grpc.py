@@ -46,6 +46,11 @@ class RolloutStub:
                 request_serializer=verst_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_unary(
+                '/verst.v1.Rollout/GenerateBatch',
+                request_serializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.LoadWeights = channel.unary_unary(
                 '/verst.v1.Rollout/LoadWeights',
                 request_serializer=verst_dot_v1_dot_rollout__pb2.LoadWeightsRequest.SerializeToString,
@@ -83,6 +88,12 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +141,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=verst_dot_v1_dot_rollout__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'LoadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadWeights,
@@ -211,6 +227,33 @@ class Rollout:
             '/verst.v1.Rollout/GenerateStream',
             verst_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             verst_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/verst.v1.Rollout/GenerateBatch',
+            verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.SerializeToString,
+            verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

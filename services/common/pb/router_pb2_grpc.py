@@ -46,6 +46,11 @@ class RouterStub:
                 request_serializer=verst_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_unary(
+                '/verst.v1.Router/GenerateBatch',
+                request_serializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.ListEngines = channel.unary_unary(
                 '/verst.v1.Router/ListEngines',
                 request_serializer=verst_dot_v1_dot_router__pb2.ListEnginesRequest.SerializeToString,
@@ -68,6 +73,12 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +108,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=verst_dot_v1_dot_rollout__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'ListEngines': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEngines,
@@ -163,6 +179,33 @@ class Router:
             '/verst.v1.Router/GenerateStream',
             verst_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             verst_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/verst.v1.Router/GenerateBatch',
+            verst_dot_v1_dot_rollout__pb2.GenerateBatchRequest.SerializeToString,
+            verst_dot_v1_dot_rollout__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
