@@ -92,6 +92,17 @@ def encode(message: Message) -> dict[bytes, bytes]:
     return {TYPE_FIELD: message.DESCRIPTOR.full_name.encode(), DATA_FIELD: message.SerializeToString()}
 
 
+def metric_message(
+    job_id: str, source: str, values: dict[str, float], *, step: int, policy_version: int
+) -> common_pb2.Metric:
+    """A Metric of ``source`` time-stamped now (what ``Bus.publish_metric`` publishes)."""
+    metric = common_pb2.Metric(
+        job_id=job_id, step=step, policy_version=policy_version, source=source, values=values
+    )
+    metric.time.GetCurrentTime()
+    return metric
+
+
 class Bus:
     """Publish, consume, ack, reclaim and dead-letter protos on Redis streams."""
 
@@ -129,10 +140,7 @@ class Bus:
         self, job_id: str, source: str, values: dict[str, float], *, step: int, policy_version: int
     ) -> str:
         """Publish a time-stamped Metric on the job's metrics stream."""
-        metric = common_pb2.Metric(
-            job_id=job_id, step=step, policy_version=policy_version, source=source, values=values
-        )
-        metric.time.GetCurrentTime()
+        metric = metric_message(job_id, source, values, step=step, policy_version=policy_version)
         return await self.publish(JobStreams(job_id).metrics, metric)
 
     async def publish_many(
@@ -143,6 +151,24 @@ class Bus:
         for message in messages:
             pipe.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
         return [entry_id.decode() for entry_id in await pipe.execute()]
+
+    async def publish_groups(
+        self, groups: Sequence[tuple[str, Sequence[Message]]], *, maxlen: int | None = None
+    ) -> list[list[str] | Exception]:
+        """Append several groups of messages, each to its own stream, in one round trip; per
+        group, its entry ids, or the error of an append that failed (its other appends stand).
+        A failure of the round trip itself is raised."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, messages in groups:
+            for message in messages:
+                pipe.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
+        replies = iter(await pipe.execute(raise_on_error=False))
+        outcomes: list[list[str] | Exception] = []
+        for _, messages in groups:
+            mine = [next(replies) for _ in messages]
+            error = next((reply for reply in mine if isinstance(reply, Exception)), None)
+            outcomes.append(error if error is not None else [entry_id.decode() for entry_id in mine])
+        return outcomes
 
     async def latest(self, stream: str, message_type: type[M]) -> M | None:
         """The newest good message of a stream, without a consumer group (e.g. the latest
@@ -270,6 +296,19 @@ class Bus:
         if not entry_ids:
             return 0
         return int(await self.redis.xack(stream, group, *entry_ids))
+
+    async def ack_many(self, group: str, entries: Sequence[tuple[str, str]]) -> int:
+        """Acknowledge processed (stream, entry id) pairs of several streams in one round trip;
+        returns how many were pending."""
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        if not by_stream:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, entry_ids in by_stream.items():
+            pipe.xack(stream, group, *entry_ids)
+        return sum(int(acked) for acked in await pipe.execute())
 
     async def dead_letter(
         self,

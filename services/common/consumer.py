@@ -59,8 +59,10 @@ class StreamConsumer(Generic[M]):
         self._next_reclaim = 0.0
         self._ready = False
 
-    async def poll(self) -> list[Delivery[M]]:
-        """Reclaimed entries if any are due, else new entries (waiting up to block_ms)."""
+    async def poll(self, count: int | None = None) -> list[Delivery[M]]:
+        """Reclaimed entries if any are due, else new entries (waiting up to block_ms); at most
+        ``count`` (default: the consumer's)."""
+        count = count or self.count
         if not self._ready:
             await self.bus.ensure_group(self.stream, self.group)
             self._ready = True
@@ -73,7 +75,7 @@ class StreamConsumer(Generic[M]):
                 self.consumer,
                 self.message_type,
                 min_idle_ms=self.reclaim_idle_ms,
-                count=self.count,
+                count=count,
             )
             if reclaimed:
                 self._next_reclaim = now  # more may be waiting: look again next poll
@@ -83,7 +85,7 @@ class StreamConsumer(Generic[M]):
             self.group,
             self.consumer,
             self.message_type,
-            count=self.count,
+            count=count,
             block_ms=self.block_ms,
         )
 

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import grpc
@@ -69,6 +69,21 @@ def completion_proto(completion: Completion) -> rollout_pb2.Completion:
         policy_versions=completion.policy_versions,
         finish_reason=completion.finish_reason,  # type: ignore[arg-type]
         error=completion.error,
+    )
+
+
+def generate_result(outcome: rollout_pb2.GenerateResponse | BaseException) -> rollout_pb2.GenerateResult:
+    """One GenerateBatch result: the response, or the status Generate would have aborted with
+    (UNKNOWN, logged, for an exception STATUS_CODES does not name)."""
+    if isinstance(outcome, rollout_pb2.GenerateResponse):
+        return rollout_pb2.GenerateResult(response=outcome)
+    if isinstance(outcome, Exception) and (code := status_code(outcome)) is not None:
+        return rollout_pb2.GenerateResult(code=code.value[0], details=str(outcome) or type(outcome).__name__)
+    if not isinstance(outcome, Exception):  # cancelled: the batch's caller has gone
+        raise outcome
+    log.error("a request of a batch failed", exc_info=outcome)
+    return rollout_pb2.GenerateResult(
+        code=grpc.StatusCode.UNKNOWN.value[0], details=f"{type(outcome).__name__}: {outcome}"
     )
 
 
@@ -163,7 +178,8 @@ class EngineInfoSource:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """Generate, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus over an Engine.
+    """Generate, GenerateBatch, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus
+    over an Engine.
 
     Generate answers FAILED_PRECONDITION before the first checkpoint, when the request
     names a job (job_id) other than the one whose weights are served, and when it needs a newer
@@ -195,6 +211,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
     ) -> tuple[GenerationRequest, asyncio.Queue[Delivered]]:
         """Validate and queue a request; raises what the engine raises (see STATUS_CODES)."""
+        generation, queue = await self._prepare(request, stream=stream)
+        self.engine.submit(generation)
+        return generation, queue
+
+    async def _prepare(
+        self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
+    ) -> tuple[GenerationRequest, asyncio.Queue[Delivered]]:
+        """Validate a request and wait for the version it needs; raises ValueError or
+        StaleWeightsError. The request is not submitted yet."""
         config = SamplingConfig.from_proto(request.sampling)
         if not 0 <= request.resume_offset <= len(request.prompt_token_ids):
             raise ValueError(
@@ -215,7 +240,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             on_error=delivery.fail,
         )
         delivery.request = generation
-        self.engine.submit(generation)
         return generation, delivery.queue
 
     async def Generate(
@@ -223,15 +247,47 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> rollout_pb2.GenerateResponse:
         async with engine_errors(context):
             generation, queue = await self._submit(request)
-            completions: list[Completion] = []
-            try:
-                while len(completions) < generation.config.n:
-                    for item in await next_delivered(queue):
-                        assert isinstance(item, Completion)  # unary requests get no increments
-                        completions.append(item)
-            except asyncio.CancelledError:  # the caller's deadline passed or it went away
-                self.engine.cancel(generation)
-                raise
+            return await self._collect(generation, queue)
+
+    async def GenerateBatch(
+        self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateBatchResponse:
+        """Every request validated (and its version waited for), then all submitted in one go so
+        that the engine batches them; each result carries its own status, as Generate's."""
+        prepared = await asyncio.gather(
+            *(self._prepare(item) for item in request.requests), return_exceptions=True
+        )
+        started = [self._start(item) for item in prepared]  # no await between the submits
+        outcomes = await asyncio.gather(*started, return_exceptions=True)
+        return rollout_pb2.GenerateBatchResponse(results=[generate_result(o) for o in outcomes])
+
+    def _start(
+        self, prepared: tuple[GenerationRequest, asyncio.Queue[Delivered]] | BaseException
+    ) -> Awaitable[rollout_pb2.GenerateResponse]:
+        """Submit a prepared request now; returns its response to await, or its failure."""
+        try:
+            if isinstance(prepared, BaseException):
+                raise prepared
+            self.engine.submit(prepared[0])
+        except Exception as err:
+            failed: asyncio.Future[rollout_pb2.GenerateResponse] = asyncio.get_running_loop().create_future()
+            failed.set_exception(err)
+            return failed
+        return self._collect(*prepared)
+
+    async def _collect(
+        self, generation: GenerationRequest, queue: asyncio.Queue[Delivered]
+    ) -> rollout_pb2.GenerateResponse:
+        """Every sample of a submitted request; cancels it when the caller goes away."""
+        completions: list[Completion] = []
+        try:
+            while len(completions) < generation.config.n:
+                for item in await next_delivered(queue):
+                    assert isinstance(item, Completion)  # unary requests get no increments
+                    completions.append(item)
+        except asyncio.CancelledError:  # the caller's deadline passed or it went away
+            self.engine.cancel(generation)
+            raise
         completions.sort(key=lambda completion: completion.index)
         first = generation.first_token_at
         return rollout_pb2.GenerateResponse(

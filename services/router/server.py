@@ -7,6 +7,11 @@ cache and weights version stay consistent for a group). A connection failure (UN
 drops that engine from the local view and the request is retried on another; an engine
 that cannot serve it yet (FAILED_PRECONDITION: no weights, another job) is skipped for the
 request. Every forwarded call carries the caller's remaining deadline.
+
+GenerateBatch picks an engine for each of its requests the same way, sends each engine its
+share as one GenerateBatch (the engine batches them together), and retries the requests of a
+share that failed, or that an engine could not serve yet, elsewhere; each request's result
+carries its own status.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 from redis.exceptions import RedisError
@@ -31,8 +37,30 @@ from services.router.pool import EngineLink, EnginePool
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "verst.v1.Router"
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 PRUNE_EVERY_S = 30.0
 """How often the router deletes registry entries of engines long dead."""
+
+
+class RequestFailed(Exception):
+    """A request no engine could serve: the status its caller gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    def result(self) -> rollout_pb2.GenerateResult:
+        return rollout_pb2.GenerateResult(code=self.code.value[0], details=self.details)
+
+
+@contextlib.asynccontextmanager
+async def aborting(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Abort the call with the status of a RequestFailed raised in the block."""
+    try:
+        yield
+    except RequestFailed as err:
+        await context.abort(err.code, err.details)
 
 
 class _Attempts:
@@ -52,105 +80,190 @@ class _Attempts:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    async def next(self, context: grpc.aio.ServicerContext) -> EngineLink | None:
-        """The next engine to try (counted as busy), or None when there is none left."""
+    async def next(self) -> EngineLink:
+        """The next engine to try (counted as busy); raises RequestFailed when none is left."""
         if len(self.tried) >= self.limit:
-            return None
+            raise self._given_up()
         link = self.pool.pick(self.session_id, exclude=set(self.tried), job_id=self.job_id)
         if link is None and not self.tried:
             await self.pool.refresh()  # maybe an engine appeared since the last refresh
             link = self.pool.pick(self.session_id, exclude=set(), job_id=self.job_id)
         if link is None:
-            return None
+            raise self._given_up()
         if self.remaining() <= 0:
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before an engine answered"
             )
         self.tried.append(link.engine_id)
         self.pool.acquire(link, self.samples)
         return link
 
-    async def failed(
-        self, link: EngineLink, err: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext
-    ) -> None:
-        """Note a failed attempt; aborts the call unless another engine may do better."""
-        code = err.code()
+    async def failed(self, link: EngineLink, code: grpc.StatusCode, details: str) -> None:
+        """Note a failed attempt; raises RequestFailed unless another engine may do better."""
         if code == grpc.StatusCode.UNAVAILABLE:
-            log.warning("engine %s at %s is unavailable: %s", link.engine_id, link.address, err.details())
+            if not link.retired:  # once per engine, not once per request of a failed share
+                log.warning("engine %s at %s is unavailable: %s", link.engine_id, link.address, details)
             await self.pool.mark_failed(link)
         elif code != grpc.StatusCode.FAILED_PRECONDITION:  # bad input or a deadline: the same anywhere
-            await context.abort(code, err.details() or code.name)
+            raise RequestFailed(code, details or code.name)
         self.last_code = code
-        self.errors.append(f"{link.engine_id}: {code.name} {err.details()}")
+        self.errors.append(f"{link.engine_id}: {code.name} {details}")
 
-    async def give_up(self, context: grpc.aio.ServicerContext) -> None:
+    def _given_up(self) -> RequestFailed:
         if not self.tried:
-            await context.abort(
+            return RequestFailed(
                 grpc.StatusCode.UNAVAILABLE,
                 "no live engines: none is in the registry with a heartbeat younger than the ttl, "
                 "or all are draining; start one with `python -m services.rollout`",
             )
-        await context.abort(
+        return RequestFailed(
             self.last_code,
             f"no engine could serve the request after {len(self.tried)} attempt(s): "
             + "; ".join(self.errors),
         )
 
 
+Share = tuple[EngineLink, list[int]]
+"""One engine and the indices of the batch's requests it is sent."""
+
+
+@dataclass
+class _Batch:
+    """A GenerateBatch in progress: its requests, their attempts, and the results so far."""
+
+    requests: list[rollout_pb2.GenerateRequest]
+    attempts: list[_Attempts]
+    results: list[rollout_pb2.GenerateResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.results = [rollout_pb2.GenerateResult() for _ in self.requests]
+
+
 class Router(router_pb2_grpc.RouterServicer):
-    """Generate, GenerateStream, ListEngines and DrainEngine over an EnginePool."""
+    """Generate, GenerateBatch, GenerateStream, ListEngines and DrainEngine over an EnginePool."""
 
     def __init__(self, settings: RouterSettings, registry: EngineRegistry) -> None:
         self.settings = settings
         self.registry = registry
         self.pool = EnginePool(registry, settings.engine_ttl_s)
 
-    def _attempts(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> _Attempts:
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
-        timeout = self.settings.default_timeout_s if remaining is None else remaining
-        return _Attempts(self.pool, request, time.monotonic() + timeout, self.settings.max_attempts)
+        return time.monotonic() + (self.settings.default_timeout_s if remaining is None else remaining)
+
+    def _attempts(self, request: rollout_pb2.GenerateRequest, deadline: float) -> _Attempts:
+        return _Attempts(self.pool, request, deadline, self.settings.max_attempts)
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        attempts = self._attempts(request, context)
-        while (link := await attempts.next(context)) is not None:
+        attempts = self._attempts(request, self._deadline(context))
+        async with aborting(context):
+            while True:
+                link = await attempts.next()
+                try:
+                    response = await link.stub.Generate(request, timeout=attempts.remaining())
+                except grpc.aio.AioRpcError as err:
+                    await attempts.failed(link, err.code(), err.details() or "")
+                    continue
+                finally:
+                    await self.pool.release(link, attempts.samples)
+                self.pool.bind(request.session_id, link)
+                return response
+        raise AssertionError("unreachable: aborting aborts")
+
+    async def GenerateBatch(
+        self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateBatchResponse:
+        """Each request goes where Generate would send it; each engine's share goes as one
+        GenerateBatch. Requests whose share failed (UNAVAILABLE) or that the engine could not
+        serve yet (FAILED_PRECONDITION) are tried again elsewhere; other failures are theirs."""
+        deadline = self._deadline(context)
+        requests = list(request.requests)
+        batch = _Batch(requests, [self._attempts(item, deadline) for item in requests])
+        await self._dispatch(batch, list(range(len(requests))))
+        return rollout_pb2.GenerateBatchResponse(results=batch.results)
+
+    async def _dispatch(self, batch: _Batch, indices: list[int]) -> None:
+        """Send these requests of the batch, each engine's share as one call, concurrently."""
+        shares: dict[str, Share] = {}
+        for index in indices:
             try:
-                response = await link.stub.Generate(request, timeout=attempts.remaining())
-            except grpc.aio.AioRpcError as err:
-                await attempts.failed(link, err, context)
+                link = await batch.attempts[index].next()
+            except RequestFailed as err:
+                batch.results[index] = err.result()
                 continue
-            finally:
-                await self.pool.release(link, attempts.samples)
-            self.pool.bind(request.session_id, link)
-            return response
-        await attempts.give_up(context)
-        raise AssertionError("unreachable: give_up aborts")
+            shares.setdefault(link.engine_id, (link, []))[1].append(index)
+        await asyncio.gather(*(self._serve_share(batch, share) for share in shares.values()))
+
+    async def _serve_share(self, batch: _Batch, share: Share) -> None:
+        """One share's results; those worth another engine are sent again as soon as it returns."""
+        link, indices = share
+        again = []
+        for index, reply in zip(indices, await self._send_share(share, batch), strict=True):
+            if reply.code == grpc.StatusCode.OK.value[0]:
+                self.pool.bind(batch.requests[index].session_id, link)
+                batch.results[index] = reply
+                continue
+            try:
+                await batch.attempts[index].failed(link, status(reply.code), reply.details)
+                again.append(index)
+            except RequestFailed as err:
+                batch.results[index] = err.result()
+        if again:
+            await self._dispatch(batch, again)
+
+    async def _send_share(self, share: Share, batch: _Batch) -> list[rollout_pb2.GenerateResult]:
+        """One engine's share as one GenerateBatch (an engine without it: one Generate each); a
+        failure of the whole call is every request's."""
+        link, indices = share
+        sent = rollout_pb2.GenerateBatchRequest(requests=[batch.requests[i] for i in indices])
+        timeout = max(batch.attempts[i].remaining() for i in indices)
+        try:
+            try:
+                reply = await link.stub.GenerateBatch(sent, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                return list(await asyncio.gather(*(_one(link, r, timeout) for r in sent.requests)))
+        except grpc.aio.AioRpcError as err:
+            failed = rollout_pb2.GenerateResult(code=err.code().value[0], details=err.details() or "")
+            return [failed] * len(indices)
+        finally:
+            for index in indices:
+                await self.pool.release(link, batch.attempts[index].samples)
+        if len(reply.results) != len(indices):
+            details = f"engine {link.engine_id} answered {len(reply.results)} results for {len(indices)}"
+            return [
+                rollout_pb2.GenerateResult(code=grpc.StatusCode.INTERNAL.value[0], details=details)
+            ] * len(indices)
+        return list(reply.results)
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
         """Relays an engine's chunks. A failure before the first chunk is retried elsewhere;
         after it, the error is passed on (the caller already holds part of the answer)."""
-        attempts = self._attempts(request, context)
-        while (link := await attempts.next(context)) is not None:
-            relayed = False
-            try:
-                async for chunk in link.stub.GenerateStream(request, timeout=attempts.remaining()):
-                    relayed = True
-                    yield chunk
-            except grpc.aio.AioRpcError as err:
-                if relayed:
-                    await context.abort(
-                        err.code(), f"engine {link.engine_id} failed mid-stream: {err.details()}"
-                    )
-                await attempts.failed(link, err, context)
-                continue
-            finally:
-                await self.pool.release(link, attempts.samples)
-            self.pool.bind(request.session_id, link)
-            return
-        await attempts.give_up(context)
+        attempts = self._attempts(request, self._deadline(context))
+        async with aborting(context):
+            while True:
+                link = await attempts.next()
+                relayed = False
+                try:
+                    async for chunk in link.stub.GenerateStream(request, timeout=attempts.remaining()):
+                        relayed = True
+                        yield chunk
+                except grpc.aio.AioRpcError as err:
+                    if relayed:
+                        raise RequestFailed(
+                            err.code(), f"engine {link.engine_id} failed mid-stream: {err.details()}"
+                        ) from None
+                    await attempts.failed(link, err.code(), err.details() or "")
+                    continue
+                finally:
+                    await self.pool.release(link, attempts.samples)
+                self.pool.bind(request.session_id, link)
+                return
 
     async def ListEngines(
         self, request: router_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
@@ -204,6 +317,21 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+def status(value: int) -> grpc.StatusCode:
+    """The StatusCode of a GenerateResult's code (UNKNOWN for a value gRPC does not define)."""
+    return STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+async def _one(
+    link: EngineLink, request: rollout_pb2.GenerateRequest, timeout: float
+) -> rollout_pb2.GenerateResult:
+    """One request of a share as a Generate, its failure as its result."""
+    try:
+        return rollout_pb2.GenerateResult(response=await link.stub.Generate(request, timeout=timeout))
+    except grpc.aio.AioRpcError as err:
+        return rollout_pb2.GenerateResult(code=err.code().value[0], details=err.details() or "")
 
 
 async def serve_router(settings: RouterSettings) -> None:

@@ -16,8 +16,15 @@ class RunnerSettings(RolloutClientSettings):
 
     port: int = Field(50055, ge=0, le=65535)
     """Port of the runner's health service; 0 picks a free one."""
-    max_concurrent_groups: int = Field(32, ge=1, le=65_536)
-    """PromptTasks (groups of n samples) in flight at once, over all jobs."""
+    max_concurrent_groups: int = Field(128, ge=1, le=65_536)
+    """PromptTasks (groups of n samples) in flight at once, over all jobs: room for a whole
+    step's groups (and the next step's), whose calls are then batched together."""
+    batch_window_s: float = Field(0.002, ge=0.0, le=1.0)
+    """Calls to the router and the reward service (and publishes of finished groups) made within
+    this long of each other go out as one batch; 0: those of one event-loop turn."""
+    batch_max_calls: int = Field(64, ge=1, le=65_536)
+    """A batch goes out at once when it holds this many calls (groups' Generates, ScoreBatches
+    or publishes)."""
     reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
     """A task left unacked this long (its runner died, or its rollout failed) is retried by any
     runner, which looks every fifth of it; live runners renew the tasks they work on every fifth

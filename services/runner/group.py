@@ -37,6 +37,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from services.common.config import RolloutConfig
 from services.common.pb import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.runner.batching import CoalescingReward, CoalescingRouter
 
 T = TypeVar("T")
 
@@ -63,8 +64,10 @@ class RetryLaterError(RuntimeError):
 class GroupClients:
     """What rolling out a group needs: the services, the job's tokenizer and deadlines."""
 
-    router: router_pb2_grpc.RouterStub
-    reward: reward_pb2_grpc.RewardStub
+    router: CoalescingRouter | router_pb2_grpc.RouterStub
+    """The router; the runner's coalesces the Generate calls of its groups (batching.py)."""
+    reward: CoalescingReward | reward_pb2_grpc.RewardStub
+    """The reward service; the runner's coalesces the ScoreBatch calls of its groups."""
     tokenizer: Any
     request_timeout_s: float
     reward_timeout_s: float

@@ -3,10 +3,13 @@
 ``python -m services.runner``. Every ``jobs_refresh_s`` it reads the
 running jobs from the job store and keeps one consumer loop per job on
 ``verst:job:{id}:prompts`` (group "runners"). Up to ``max_concurrent_groups``
-tasks are in flight at once, over all jobs. For each task it asks the router
-for the group's n samples, resumes the samples that came back aborted (partial
-rollout, see ``group.py``), scores them in one ScoreBatch, publishes the
-group's Trajectories in one ``publish_many``, and only then acks the task. That is the
+tasks are in flight at once, over all jobs; one read takes as many tasks as there are free
+slots. For each task it asks the router for the group's n samples, resumes the samples that
+came back aborted (partial rollout, see ``group.py``), scores them in one ScoreBatch,
+publishes the group's Trajectories, and only then acks the task. The calls of groups in
+flight together are coalesced (``batching.py``: one router GenerateBatch, one reward
+ScoreBatch), and so are the publishes and acks of groups that finish together
+(``publishing.py``: one Redis round trip for the trajectories, then one for the acks). That is the
 ``group`` strategy; the job's ``rollout.strategy`` picks another (``tool_episode``: multi-turn
 episodes with tool calls between turns; a user's agent loop: strategy.py has the contract), and
 its ``reward.shaping`` reshapes each scored group's rewards before it is published (shaping.py).
@@ -36,8 +39,10 @@ from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
+from services.runner.batching import CoalescingReward, CoalescingRouter
 from services.runner.config import RunnerSettings
 from services.runner.group import GroupClients, InvalidTaskError, RetryLaterError, check_task
+from services.runner.publishing import GroupPublisher
 from services.runner.shaping import load_shapings, shape_rewards
 from services.runner.strategy import check_trajectories, load_strategy
 
@@ -91,6 +96,12 @@ class Runner:
         self._held: dict[str, set[str]] = {}
         """Entry ids of the tasks in flight, by prompts stream: kept alive against reclaim."""
         self._channels = Channels()
+        self._routers: dict[str, CoalescingRouter] = {}
+        self._rewards: dict[str, CoalescingReward] = {}
+        """One coalescing client per address, shared by every job's groups."""
+        self._publisher = GroupPublisher(
+            bus, GROUP, window_s=settings.batch_window_s, max_calls=settings.batch_max_calls
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the running jobs until ``stop``; then finish the tasks in flight."""
@@ -109,6 +120,8 @@ class Runner:
             await self._stop_loops(list(self._jobs))
             await asyncio.gather(*self._inflight, return_exceptions=True)
             await asyncio.wait([keepalive], timeout=self.settings.reclaim_idle_ms / 1000)
+            for client in [*self._routers.values(), *self._rewards.values(), self._publisher]:
+                await client.close()
             await self._channels.close()
 
     async def refresh_jobs(self) -> None:
@@ -139,7 +152,7 @@ class Runner:
             GROUP,
             self.consumer,
             common_pb2.PromptTask,
-            count=1,  # one delivery per free slot
+            count=1,  # each poll names its count: the free slots
             block_ms=POLL_BLOCK_MS,
             reclaim_idle_ms=self.settings.reclaim_idle_ms,
         )
@@ -148,8 +161,8 @@ class Runner:
         consumer = self._prompt_consumer(loop.record.job_id)
         await self._prepare(loop)
         while await self._take_slot(loop.stop):
-            try:
-                deliveries = await consumer.poll()
+            try:  # as many tasks as there are free slots (this one and those free now)
+                deliveries = await consumer.poll(count=1 + self._free_slots())
             except RedisOutageError:  # the client logs the outage: wait for Redis, quietly
                 self._slots.release()
                 await wait_until_up(self.bus.redis, loop.stop)
@@ -162,7 +175,27 @@ class Runner:
             if not deliveries:
                 self._slots.release()
                 continue
-            task = asyncio.create_task(self._process(loop, consumer, deliveries[0]))
+            await self._start(loop, consumer, deliveries)
+
+    def _free_slots(self) -> int:
+        """Slots no task holds now (an estimate: other jobs' loops may take them first)."""
+        return max(0, self.settings.max_concurrent_groups - len(self._inflight) - 1)
+
+    async def _start(
+        self,
+        loop: JobLoop,
+        consumer: StreamConsumer[common_pb2.PromptTask],
+        deliveries: list[Delivery[common_pb2.PromptTask]],
+    ) -> None:
+        """Start a task per delivery, the first in the slot held, the others each in one more
+        (free, usually); those left when the loop stops stay pending, for a reclaim."""
+        held = self._held.setdefault(consumer.stream, set())
+        held.update(delivery.entry_id for delivery in deliveries)  # kept alive from the read on
+        for i, delivery in enumerate(deliveries):
+            if i > 0 and not await self._take_slot(loop.stop):
+                held.difference_update(d.entry_id for d in deliveries[i:])
+                return
+            task = asyncio.create_task(self._process(loop, consumer, delivery))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
@@ -205,8 +238,7 @@ class Runner:
         try:
             trajectories = await self._roll_out(loop, task)
             stamp_stages(trajectories, task, picked)
-            await self.bus.publish_many(JobStreams(job_id).trajectories, trajectories)
-            await consumer.ack([delivery])
+            await self._publisher.publish_and_ack(JobStreams(job_id).trajectories, trajectories, delivery)
             log.debug("%s: %d trajectories", task.prompt_id, len(trajectories))
         except InvalidTaskError as err:
             await consumer.dead_letter(delivery, f"invalid task: {err}")
@@ -255,8 +287,8 @@ class Runner:
                 loop.tokenizer = await self._load_tokenizer(loop)
         reward_address = spec.reward.address or self.settings.reward_address
         return GroupClients(
-            router=router_pb2_grpc.RouterStub(self._channels.get(self.settings.router_address)),
-            reward=reward_pb2_grpc.RewardStub(self._channels.get(reward_address)),
+            router=self._router(self.settings.router_address),
+            reward=self._reward(reward_address),
             tokenizer=loop.tokenizer,
             request_timeout_s=spec.rollout.request_timeout_s,
             reward_timeout_s=spec.reward.timeout_s,
@@ -269,6 +301,22 @@ class Runner:
             rollout=spec.rollout,
             chat_template_kwargs=spec.data.chat_template_kwargs,
         )
+
+    def _router(self, address: str) -> CoalescingRouter:
+        if address not in self._routers:
+            stub = router_pb2_grpc.RouterStub(self._channels.get(address))
+            self._routers[address] = CoalescingRouter(
+                stub, window_s=self.settings.batch_window_s, max_calls=self.settings.batch_max_calls
+            )
+        return self._routers[address]
+
+    def _reward(self, address: str) -> CoalescingReward:
+        if address not in self._rewards:
+            stub = reward_pb2_grpc.RewardStub(self._channels.get(address))
+            self._rewards[address] = CoalescingReward(
+                stub, window_s=self.settings.batch_window_s, max_calls=self.settings.batch_max_calls
+            )
+        return self._rewards[address]
 
     async def _load_tokenizer(self, loop: JobLoop) -> Any:
         """The job's tokenizer, from its newest checkpoint unless the spec names one."""

@@ -1,8 +1,9 @@
 """The rollout strategy contract: how one PromptTask becomes its group's scored Trajectories.
 
 A strategy is an async function ``strategy(task, clients) -> trajectories`` (``RolloutStrategy``)
-that the runner calls once per task it takes, with the job's ``GroupClients``: the router stub
-(``Generate``), the reward stub (``ScoreBatch``), the Tools stub (``Execute``), the job's
+that the runner calls once per task it takes, with the job's ``GroupClients``: the router
+(``Generate``) and the reward service (``ScoreBatch``), whose calls the runner batches with
+other groups' (batching.py; each call still answers alone), the Tools stub (``Execute``), the job's
 tokenizer, the call deadlines, the job's ``rollout`` section and its ``data.chat_template_kwargs``
 (a chat task, ``task.messages_json`` set, renders tool turns with
 ``services.data.chat.tool_turn_ids``). It returns one Trajectory per sample of the group, all

@@ -132,9 +132,20 @@ def test_services_expose_the_contracted_rpcs() -> None:
     def methods(module: object, service: str) -> set[str]:
         return set(module.DESCRIPTOR.services_by_name[service].methods_by_name)  # type: ignore[attr-defined]
 
-    rollout = {"Generate", "GenerateStream", "GenerateBatch", "LoadWeights", "Abort", "Pause", "Resume", "GetStatus"}
+    rollout = {
+        "Generate",
+        "GenerateStream",
+        "GenerateBatch",
+        "LoadWeights",
+        "Abort",
+        "Pause",
+        "Resume",
+        "GetStatus",
+    }
     assert methods(pb.rollout_pb2, "Rollout") == rollout
-    assert {"Generate", "GenerateStream", "GenerateBatch", "ListEngines", "DrainEngine"} <= methods(pb.router_pb2, "Router")
+    assert {"Generate", "GenerateStream", "GenerateBatch", "ListEngines", "DrainEngine"} <= methods(
+        pb.router_pb2, "Router"
+    )
     assert methods(pb.reward_pb2, "Reward") == {"Score", "ScoreBatch", "CheckVerifier"}
     assert methods(pb.reward_pb2, "Tools") == {"Execute", "ListTools"}
     assert methods(pb.trainer_pb2, "Trainer") == {"GetStatus", "SaveCheckpoint", "Stop"}

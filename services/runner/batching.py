@@ -1,0 +1,256 @@
+"""Coalescing clients: the calls that the runner's concurrent groups make to the router and the
+reward service, sent as batches.
+
+Every group keeps calling ``clients.router.Generate(request, timeout=...)`` and
+``clients.reward.ScoreBatch(request, timeout=...)`` as if it were alone. A ``Coalescer`` queues
+the calls made while a flush is pending and sends them as one call when none has been added for
+``window_s`` (at most ``MAX_WAIT_WINDOWS`` windows after the first), or at once when
+``max_calls`` are queued: one router GenerateBatch, one reward ScoreBatch of every group's items.
+Each caller gets its own answer back, in order: a request that failed in a GenerateBatch raises
+a ``grpc.aio.AioRpcError`` with its own code for its caller only, so that ``group.call`` retries
+and maps it as before. Each caller stops waiting at its own timeout; the batch's call carries
+the latest deadline of its members.
+
+A router without GenerateBatch (UNIMPLEMENTED) is called once per request from then on. A batch
+that fails as a whole with a code that may be one member's doing (INVALID_ARGUMENT from a reward
+service that refuses a whole ScoreBatch for one bad item, say) is sent again one call per member,
+so that no group is dead-lettered for another's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from services.common.pb import reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MAX_WAIT_WINDOWS = 5
+"""A queued call waits at most this many windows, however steadily others keep coming."""
+SHARED_FAILURES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+"""Failures of a whole batch that are every member's (the service, the link or the time): the
+other codes send the members again one by one."""
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+Outcome = R | BaseException
+Send = Callable[[list[T], list[float | None]], Awaitable[list[Any]]]
+"""Sends queued items with their callers' timeouts; one result or exception per item, in order."""
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a direct call with this status would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def latest(timeouts: Sequence[float | None]) -> float | None:
+    """The timeout of a batch: its members' latest (None when one has none)."""
+    return None if any(t is None for t in timeouts) else max(t for t in timeouts if t is not None)
+
+
+@dataclass(eq=False, slots=True)
+class _Call(Generic[T, R]):
+    item: T
+    deadline: float | None
+    """Loop time when its caller stops waiting."""
+    future: asyncio.Future[R]
+
+
+class Coalescer(Generic[T, R]):
+    """Queues calls and sends them together through ``send``."""
+
+    def __init__(self, send: Send[T], *, window_s: float, max_calls: int, name: str) -> None:
+        self.send = send
+        self.window_s = window_s
+        self.max_calls = max_calls
+        self.name = name
+        self._queue: list[_Call[T, R]] = []
+        self._first_at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def call(self, item: T, timeout: float | None) -> R:
+        """``item``'s result, or its failure raised; DEADLINE_EXCEEDED after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        queued = _Call[T, R](item, None if timeout is None else loop.time() + timeout, loop.create_future())
+        self._queue.append(queued)
+        if len(self._queue) >= self.max_calls:
+            self._flush()
+        else:
+            self._schedule(loop)
+        try:
+            return await asyncio.wait_for(queued.future, timeout)  # cancels the future on timeout
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: deadline exceeded") from None
+        finally:
+            if queued in self._queue:  # its caller left before it was sent: send nothing
+                self._queue.remove(queued)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        if len(self._queue) == 1:
+            self._first_at = now
+        if self._timer is not None:
+            self._timer.cancel()
+        when = min(now + self.window_s, self._first_at + MAX_WAIT_WINDOWS * self.window_s)
+        self._timer = loop.call_at(when, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        calls, self._queue = self._queue, []
+        if calls:
+            task = asyncio.create_task(self._send(calls), name=f"{self.name} batch")
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, calls: list[_Call[T, R]]) -> None:
+        live = [call for call in calls if not call.future.done()]
+        if not live:
+            return
+        now = asyncio.get_running_loop().time()
+        timeouts = [None if c.deadline is None else max(0.0, c.deadline - now) for c in live]
+        try:
+            outcomes = await self.send([call.item for call in live], timeouts)
+        except asyncio.CancelledError:
+            for call in live:
+                call.future.cancel()
+            raise
+        except Exception as err:  # a bug in ``send``: every caller hears of it rather than hangs
+            log.exception("%s: a batch of %d calls failed", self.name, len(live))
+            outcomes = [err] * len(live)
+        for call, outcome in zip(live, outcomes, strict=True):
+            if call.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                call.future.set_exception(outcome)
+            else:
+                call.future.set_result(outcome)
+
+    async def close(self) -> None:
+        """Send what is queued and wait for the batches in flight (each has its deadline)."""
+        self._flush()
+        await asyncio.gather(*self._sending, return_exceptions=True)
+
+
+async def one_by_one(
+    call: Callable[..., Awaitable[R]], items: Sequence[Any], timeouts: Sequence[float | None]
+) -> list[Outcome[R]]:
+    """Each item in its own call, concurrently, with its own timeout."""
+    return list(
+        await asyncio.gather(
+            *(call(item, timeout=timeout) for item, timeout in zip(items, timeouts, strict=True)),
+            return_exceptions=True,
+        )
+    )
+
+
+def _generate_outcome(result: rollout_pb2.GenerateResult) -> Outcome[rollout_pb2.GenerateResponse]:
+    if result.code == grpc.StatusCode.OK.value[0]:
+        return result.response
+    return rpc_error(STATUS_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN), result.details)
+
+
+class CoalescingRouter:
+    """The router stub, its Generate calls coalesced into GenerateBatch calls; its other
+    methods (GenerateStream, ListEngines...) are the stub's own."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub, *, window_s: float, max_calls: int) -> None:
+        self.stub = stub
+        self.batches = True
+        """False once the router answered GenerateBatch with UNIMPLEMENTED."""
+        self._calls = Coalescer[rollout_pb2.GenerateRequest, rollout_pb2.GenerateResponse](
+            self._send, window_s=window_s, max_calls=max_calls, name="router Generate"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "stub" or name.startswith("_"):  # not set up yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.stub, name)
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, timeout: float | None = None
+    ) -> rollout_pb2.GenerateResponse:
+        if not self.batches:
+            return await self.stub.Generate(request, timeout=timeout)
+        return await self._calls.call(request, timeout)
+
+    async def _send(
+        self, requests: list[rollout_pb2.GenerateRequest], timeouts: list[float | None]
+    ) -> list[Outcome[rollout_pb2.GenerateResponse]]:
+        if not self.batches or len(requests) == 1:
+            return await one_by_one(self.stub.Generate, requests, timeouts)
+        batch = rollout_pb2.GenerateBatchRequest(requests=requests)
+        try:
+            reply = await self.stub.GenerateBatch(batch, timeout=latest(timeouts))
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("the router has no GenerateBatch: one Generate per request from now on")
+                self.batches = False
+            elif err.code() in SHARED_FAILURES:
+                return [err] * len(requests)
+            return await one_by_one(self.stub.Generate, requests, timeouts)
+        if len(reply.results) != len(requests):
+            details = f"router GenerateBatch returned {len(reply.results)} results for {len(requests)}"
+            return [rpc_error(grpc.StatusCode.INTERNAL, details)] * len(requests)
+        return [_generate_outcome(result) for result in reply.results]
+
+    async def close(self) -> None:
+        await self._calls.close()
+
+
+class CoalescingReward:
+    """The reward stub, its ScoreBatch calls coalesced into one ScoreBatch of all their items;
+    its other methods are the stub's own."""
+
+    def __init__(self, stub: reward_pb2_grpc.RewardStub, *, window_s: float, max_calls: int) -> None:
+        self.stub = stub
+        self._calls = Coalescer[reward_pb2.ScoreBatchRequest, reward_pb2.ScoreBatchResponse](
+            self._send, window_s=window_s, max_calls=max_calls, name="reward ScoreBatch"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "stub" or name.startswith("_"):  # not set up yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.stub, name)
+
+    async def ScoreBatch(
+        self, request: reward_pb2.ScoreBatchRequest, timeout: float | None = None
+    ) -> reward_pb2.ScoreBatchResponse:
+        return await self._calls.call(request, timeout)
+
+    async def _send(
+        self, requests: list[reward_pb2.ScoreBatchRequest], timeouts: list[float | None]
+    ) -> list[Outcome[reward_pb2.ScoreBatchResponse]]:
+        if len(requests) == 1:
+            return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
+        merged = reward_pb2.ScoreBatchRequest(items=[item for request in requests for item in request.items])
+        try:
+            reply = await self.stub.ScoreBatch(merged, timeout=latest(timeouts))
+        except grpc.aio.AioRpcError as err:
+            if err.code() in SHARED_FAILURES:
+                return [err] * len(requests)
+            return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
+        if len(reply.results) != len(merged.items):  # each group's own call tells whose it is
+            return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
+        results: list[Outcome[reward_pb2.ScoreBatchResponse]] = []
+        start = 0
+        for request in requests:
+            end = start + len(request.items)
+            results.append(reward_pb2.ScoreBatchResponse(results=reply.results[start:end]))
+            start = end
+        return results
+
+    async def close(self) -> None:
+        await self._calls.close()
