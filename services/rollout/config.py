@@ -25,10 +25,16 @@ class EngineSettings(ServiceSettings):
     """Torch device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N, mps or xpu."""
     dtype: str = Field("auto", pattern=r"^(auto|float32|bfloat16|float16)$")
     """Weight dtype: auto (each checkpoint's own: the job's model.dtype), float32, bfloat16 or float16."""
-    max_batch_size: int = Field(64, ge=1, le=4096)
-    """Most samples decoded together in one batch."""
+    max_batch_size: int = Field(256, ge=1, le=4096)
+    """Most samples decoded together in one batch (its KV cache grows to the samples in it)."""
+    max_batch_tokens: int = Field(0, ge=0, le=1 << 26)
+    """Most KV-cache positions of a batch: its samples x the longest prompt + max_new_tokens among
+    them (every slot is that long); a sample joins while it fits. 0: 64 samples of the model's
+    full length (max_position_embeddings, counted at most 2,048)."""
     batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0)
-    """Longest wait for a batch to fill once a request is queued."""
+    """The admission window: how long an idle engine waits, once a request is queued, for more
+    to fill its batch (max_batch_size or max_batch_tokens); 0 starts at once. A busy engine never
+    waits: requests join the running batch at its next step."""
     weight_poll_s: float = Field(1.0, gt=0.0, le=60.0)
     """Longest wait for a new checkpoint handle (a blocking read) before the watcher looks again
     which job is the newest running one; a new handle is loaded as soon as it is published."""

@@ -16,8 +16,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.engine_protocol import Completion, GenerationRequest
 from services.rollout.sampling import SamplingConfig
+from services.rollout.torch.continuous import ContinuousBatch
 from services.rollout.torch.decoder import SlotDecoder
 from services.rollout.torch.engine import TorchEngine
+from services.rollout.torch.requests import Row
 from services.rollout.weights import WEIGHTS_FILE, file_sha256
 from services.trainer.batching import TrainSample, collate, token_logprobs
 
@@ -65,10 +67,19 @@ def submit(engine: TorchEngine, name: str, prompt: list[int], config: SamplingCo
 def engine_for(tmp_path: Path) -> Iterator[object]:
     engines: list[TorchEngine] = []
 
-    def start(model: PreTrainedModel, *, max_batch_size: int = 16) -> TorchEngine:
+    def start(
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 16,
+        batch_wait_s: float = 0.0,
+        max_batch_tokens: int = 0,
+    ) -> TorchEngine:
         path = tmp_path / f"v{len(engines)}"
         model.save_pretrained(path, safe_serialization=True)
-        engine = TorchEngine(device=CPU, dtype=torch.float32, max_batch_size=max_batch_size, batch_wait_s=0.0)
+        engine = TorchEngine(
+            device=CPU, dtype=torch.float32, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s,
+            max_batch_tokens=max_batch_tokens,
+        )  # fmt: skip
         engine.start()
         engines.append(engine)
         engine.load_checkpoint(
@@ -158,6 +169,54 @@ def test_the_samples_of_a_request_share_one_prefill(engine_for, monkeypatch: pyt
     assert result.done.wait(10)
     assert prefilled == [1]
     assert len({tuple(c.token_ids) for c in result.completions}) > 1  # eight samples, not one copied
+
+
+@pytest.fixture
+def admissions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of samples each admission (prefill) of the continuous batch took in."""
+    taken: list[int] = []
+    original = ContinuousBatch.admit
+
+    def counting(self: ContinuousBatch, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        taken.append(len(rows))
+        return original(self, rows)
+
+    monkeypatch.setattr(ContinuousBatch, "admit", counting)
+    return taken
+
+
+def test_requests_arriving_within_the_window_start_as_one_batch(engine_for, admissions: list[int]) -> None:
+    engine = engine_for(gqa_llama(), max_batch_size=256, batch_wait_s=2.0)
+    config = sampling(temperature=1.0, n=24, max_new_tokens=4, seed=1, ignore_eos=True)
+    results = []
+    for index in range(3):
+        results.append(submit(engine, f"w{index}", [1, 5 + index, 6], config))
+        time.sleep(0.05)  # later groups arrive while the idle engine waits for its batch to fill
+    assert all(result.done.wait(30) for result in results)
+    assert admissions == [72]  # beyond the 64 samples a batch used to be held to
+
+
+def test_the_token_budget_holds_back_what_does_not_fit_and_changes_no_sample(
+    engine_for, admissions: list[int]
+) -> None:
+    """Requests of 4 samples needing 4 + 12 positions each, under a budget of 8 samples of 16:
+    two requests start, the third waits for room; seeded samples are the same as in one batch."""
+    model = gqa_llama()
+    prompts = [[1, 5, 6, 7], [1, 8, 9, 10], [1, 11, 12, 13]]
+    tokens = []
+    for budget in (8 * 16, 0):
+        engine = engine_for(model, max_batch_size=64, batch_wait_s=2.0, max_batch_tokens=budget)
+        configs = [
+            sampling(temperature=1.0, n=4, max_new_tokens=12, seed=s, ignore_eos=True) for s in (1, 2, 3)
+        ]
+        results = [
+            submit(engine, f"t{i}", p, c) for i, (p, c) in enumerate(zip(prompts, configs, strict=True))
+        ]
+        assert all(result.done.wait(30) for result in results)
+        tokens.append([sorted(c.token_ids for c in result.completions) for result in results])
+        engine.shutdown()
+    assert admissions == [8, 4, 12]
+    assert tokens[0] == tokens[1]
 
 
 def test_a_model_the_slot_decoder_does_not_know_runs_in_static_batches(engine_for) -> None:

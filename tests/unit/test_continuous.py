@@ -11,7 +11,7 @@ from services.common.pb import common_pb2
 from services.rollout.engine_protocol import GenerationRequest
 from services.rollout.sampling import SamplingConfig
 from services.rollout.torch.continuous import ContinuousBatch
-from services.rollout.torch.requests import LoadedModel, Row
+from services.rollout.torch.requests import LoadedModel, Row, admissible, kv_need
 
 CPU = torch.device("cpu")
 
@@ -62,3 +62,19 @@ def test_rows_leaving_in_any_order_leave_the_others_untouched() -> None:
         assert row.logprobs == pytest.approx(expected, abs=1e-5)
         assert row.tokens == [int(logprobs[start + i].argmax()) for i in range(len(row.tokens))]
     assert batch.free == 5
+
+
+def test_admission_stops_at_the_free_slots_or_the_token_budget() -> None:
+    """Rows join in order while the batch's slots x its longest need fits the budget; an empty
+    batch takes its first row whatever its need."""
+    short, long = greedy_row([1, 2, 3, 4], 0, max_new_tokens=12), greedy_row([1] * 10, 1, max_new_tokens=30)
+    assert kv_need(short) == 16 and kv_need(long) == 40
+    queue = [short] * 5 + [long] * 2
+    assert admissible(queue, 64) == 7
+    assert admissible(queue, 3) == 3
+    assert admissible(queue, 64, max_tokens=80) == 5  # a sixth short one needs 96
+    assert admissible(queue, 64, max_tokens=200) == 5  # 6 rows x 40 = 240: the long one waits
+    assert admissible(queue, 64, live=4, longest=16, max_tokens=80) == 1
+    assert admissible(queue, 64, live=5, longest=16, max_tokens=80) == 0
+    assert admissible([long, short], 64, max_tokens=10) == 1  # alone it may pass the budget
+    assert admissible([], 64, max_tokens=10) == 0

@@ -221,3 +221,49 @@ def test_a_one_slot_decoder_compiles_its_step_too() -> None:
     assert isinstance(compiled._compiled.get("_decode_sample_step"), AotStep)
     assert torch.equal(results[1][0], results[0][0])
     assert torch.allclose(results[1][1], results[0][1], atol=1e-5)
+
+
+def test_the_cache_grows_to_the_samples_it_holds_within_its_budget() -> None:
+    """Slots are allocated as samples join (doubling, up to ``slots``); past ``max_tokens`` the
+    cache grows to no more than is asked, shorter if it must, and keeps what it holds."""
+    model = build("llama")
+    decoder = SlotDecoder(model, slots=40, max_positions=512, max_tokens=40 * 64)
+    decoder.reserve(20, rows=3)
+    assert (decoder.allocated, decoder.length) == (16, 160)  # 16 x 256 would pass 2,560 positions
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    decoder.prefill(prompts, [[0], [1], [2]])
+    decoder.reserve(20, rows=17)  # 32 slots: 80 positions each fit the budget
+    assert (decoder.allocated, decoder.length) == (32, 80)
+    decoder.reserve(20, rows=40)
+    assert (decoder.allocated, decoder.length) == (40, 64)
+    assert decoder.keys[0].shape[0] == 40
+    logits = decoder.decode(torch.tensor([30, 31, 32]), torch.tensor([3, 5, 2]))
+    for row, prompt in enumerate(prompts):
+        want = full_logprobs(model, [*prompt, 30 + row])
+        assert torch.allclose(logits[row].log_softmax(-1), want, atol=1e-5)
+    with pytest.raises(ValueError, match="slots"):
+        decoder.reserve(20, rows=41)
+
+
+@pytest.mark.slow  # AOTInductor compiles decode + sampling: ~25 s on two cores
+def test_the_ahead_of_time_step_serves_a_cache_grown_to_more_slots() -> None:
+    """The cache's slots are a dynamic dim of the exported step: samples that join after it was
+    compiled, into new slots, decode as they do eagerly."""
+    model = build("llama")
+    decoders = [SlotDecoder(model, slots=64, max_positions=512, compile_step=c) for c in (False, True)]
+    prompts = [[5 + i, 6, 7 + i % 3] for i in range(24)]
+    tokens, positions = torch.arange(40, 64), torch.full((24,), 3)
+    draw = (torch.ones(24, 1), torch.linspace(0.05, 0.95, 24), torch.zeros(24, dtype=torch.bool))
+    results = []
+    for decoder in decoders:
+        decoder.reserve(16, rows=2)
+        decoder.prefill(prompts[:2], [[0], [1]])
+        first = decoder.decode_and_sample(tokens[:2], positions[:2], 4, tuple(d[:2] for d in draw))
+        decoder.reserve(16, rows=24)  # 16 slots, then 32: a new cache with more slots
+        decoder.prefill(prompts[2:], [[slot] for slot in range(2, 24)])
+        results.append((first, decoder.decode_and_sample(tokens, positions, 4, draw)))
+    assert decoders[1]._compile and isinstance(decoders[1]._compiled["_decode_sample_step"], AotStep)
+    assert decoders[1].allocated == 32
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(compiled[0], eager[0])
+        assert torch.allclose(compiled[1], eager[1], atol=1e-5)

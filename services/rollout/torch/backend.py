@@ -13,6 +13,7 @@ async def open_torch_engine(settings: EngineSettings) -> TorchEngine:
         device=resolve_device(settings.device),
         dtype=None if settings.dtype == "auto" else DTYPES[settings.dtype],
         max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
         batch_wait_s=settings.batch_wait_ms / 1000.0,
         max_prefill_tokens=settings.max_prefill_tokens,
         default_update_mode=settings.default_update_mode,

@@ -6,7 +6,8 @@ values) and a ``BatchSampler`` (settings and random streams), with each slot's p
 last token. The engine's worker calls, per iteration: ``retire`` (drop finished samples),
 ``admit`` (prefill new ones, one prefill per request however many samples it has, and sample
 their first tokens) and ``step`` (one decode step for every live sample);
-``requests.record_tokens`` appends what was sampled to each sample.
+``requests.record_tokens`` appends what was sampled to each sample. Its KV cache grows to the
+rows it holds, within ``max_tokens`` (the engine admits rows only while they fit it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from services.rollout.torch.decoder import SlotDecoder
-from services.rollout.torch.requests import LoadedModel, Row
+from services.rollout.torch.requests import LoadedModel, Row, kv_need
 from services.rollout.torch.sampler import BatchSampler
 
 
@@ -22,12 +23,24 @@ class ContinuousBatch:
     """Live samples of one model in slots ``0..len(rows)-1`` (worker thread only)."""
 
     def __init__(
-        self, loaded: LoadedModel, *, capacity: int, device: torch.device, compile_step: bool = False
+        self,
+        loaded: LoadedModel,
+        *,
+        capacity: int,
+        device: torch.device,
+        compile_step: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.capacity = capacity
+        self.max_tokens = max_tokens
+        """Most KV positions the batch holds: rows x the longest ``kv_need`` among them."""
         self.decoder = SlotDecoder(
-            loaded.model, slots=capacity, max_positions=loaded.max_positions, compile_step=compile_step
+            loaded.model,
+            slots=capacity,
+            max_positions=loaded.max_positions,
+            compile_step=compile_step,
+            max_tokens=max_tokens,
         )
         self.sampler = BatchSampler([], [], device, capacity=capacity)
         self.rows: list[Row] = []
@@ -41,6 +54,11 @@ class ContinuousBatch:
     @property
     def free(self) -> int:
         return self.capacity - len(self.rows)
+
+    @property
+    def longest(self) -> int:
+        """The largest ``kv_need`` of a live row (0 when none): how long every slot must be."""
+        return max((kv_need(row) for row in self.rows), default=0)
 
     def admit(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill ``rows`` into the next free slots; returns their first tokens and logprobs."""
@@ -60,7 +78,7 @@ class ContinuousBatch:
             slots[group].append(start + offset)
             row_groups.append(group)
         self.sampler.assign_range(start, [r.request.config for r in rows], [r.seed for r in rows])
-        self.decoder.reserve(max(len(r.request.prompt) + r.request.config.max_new_tokens for r in rows))
+        self.decoder.reserve(max([self.longest, *map(kv_need, rows)]), rows=start + len(rows))
         logits = self.decoder.prefill(prompts, slots)
         logits = logits[torch.tensor(row_groups, device=logits.device)]
         tokens, logprobs = self.sampler.sample(logits, start=start)

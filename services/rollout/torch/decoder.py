@@ -5,8 +5,9 @@ concatenates every layer's keys and values at every step; for the small models o
 CPU that overhead is most of the step. This module runs the same weights (the HF modules'
 own parameters, so an in-place weight update is seen at once) with a plain torch forward:
 
-- every sample owns a *slot* of a preallocated cache ``[slots, kv_heads, length, head_dim]``
-  per layer, positions start at 0 in every slot (no left padding), and a finished sample's
+- every sample owns a *slot* of a cache ``[slots, kv_heads, length, head_dim]`` per layer
+  (grown by doubling, in slots and in length, to what the samples need, within a budget of
+  slots x length), positions start at 0 in every slot (no left padding), and a finished sample's
   slot is refilled by moving the last live one into it, so the live samples are always the
   first ``B`` slots and attention reads a view of the cache, never a gathered copy;
 - prefill takes several prompts right-padded together (causal attention never looks at the
@@ -45,6 +46,8 @@ _SHORT_PROMPT = 128
 """Prompts up to this many tokens are prefilled with plain matmuls on a CPU (scores stay small)."""
 _FIRST_LENGTH = 256
 """Cache length first allocated per slot; it doubles when a longer sample arrives."""
+_FIRST_SLOTS = 16
+"""Slots first allocated in the cache; they double when more samples join (up to ``slots``)."""
 
 
 def _rope_type(config: Any) -> str:
@@ -220,7 +223,13 @@ class SlotDecoder:
     """Prefill and decode for up to ``slots`` samples of one model (one worker thread)."""
 
     def __init__(
-        self, model: torch.nn.Module, *, slots: int, max_positions: int, compile_step: bool = False
+        self,
+        model: torch.nn.Module,
+        *,
+        slots: int,
+        max_positions: int,
+        compile_step: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -239,10 +248,16 @@ class SlotDecoder:
         for weight, bias in (*qkv, *gate_up):
             _static_shape(weight, bias)
         self.slots = slots
+        """Most samples it holds (the compiled steps take any batch up to it)."""
         self.max_positions = max_positions or 1 << 20
+        self.max_tokens = max_tokens or slots * self.max_positions
+        """Most positions the cache holds in all (slots allocated × length): its growth stops there."""
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.length = 0
+        """Positions each allocated slot holds."""
+        self.allocated = 0
+        """Slots the cache holds now (it grows to what the samples need)."""
         self.frame = Frame(
             embed=body.embed_tokens.weight,
             layers=tuple(_layer_weights(*parts) for parts in zip(layers, qkv, gate_up, strict=True)),
@@ -271,26 +286,47 @@ class SlotDecoder:
 
     # -- cache -----------------------------------------------------------------
 
-    def reserve(self, length: int) -> None:
-        """Make every slot hold at least ``length`` positions (grows by doubling, keeps contents)."""
-        if length <= self.length:
+    def reserve(self, length: int, rows: int | None = None) -> None:
+        """Make the first ``rows`` slots (all by default) hold at least ``length`` positions each.
+
+        The cache grows by doubling in either dimension, no further than ``max_tokens`` allows
+        (then just to what is asked); it may get shorter when it gets more slots, never shorter
+        than ``length``, so ``length`` must cover every live sample. What it holds is kept.
+        """
+        rows = self.slots if rows is None else rows
+        if length <= self.length and rows <= self.allocated:
             return
         if length > self.max_positions:
             raise ValueError(f"{length} positions exceed the model's {self.max_positions}")
-        new_length = min(max(length, 2 * self.length, _FIRST_LENGTH), self.max_positions)
-        shape = (self.slots, self.kv_heads, new_length, self.head_dim)
+        if rows > self.slots:
+            raise ValueError(f"{rows} samples exceed the decoder's {self.slots} slots")
+        new_length = self.length
+        if length > self.length:
+            new_length = min(max(length, 2 * self.length, _FIRST_LENGTH), self.max_positions)
+        new_slots = self.allocated
+        if rows > self.allocated:
+            new_slots = min(max(rows, 2 * self.allocated, _FIRST_SLOTS), self.slots)
+        if new_slots * new_length > self.max_tokens:  # doubling overshoots the budget: grow less
+            new_length = max(length, min(new_length, self.max_tokens // new_slots))
+            new_slots = max(rows, min(new_slots, self.max_tokens // new_length))
+        self._allocate(new_slots, new_length)
+
+    def _allocate(self, slots: int, length: int) -> None:
+        """A new cache of ``slots`` x ``length`` positions holding what the old one held there."""
+        shape = (slots, self.kv_heads, length, self.head_dim)
         layers = range(len(self.constants))
         keys = tuple(torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers)
         values = tuple(torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers)
-        if self.length:
+        kept_slots, kept_length = min(slots, self.allocated), min(length, self.length)
+        if kept_slots and kept_length:
             for old, new in zip(self.keys + self.values, keys + values, strict=True):
-                new[:, :, : self.length].copy_(old)
-        cos, sin = self._rotary_tables(new_length)
-        _static_shape(*keys, *values, dims=(0, 1, 3))  # the length (dim 2) grows
+                new[:kept_slots, :, :kept_length].copy_(old[:kept_slots, :, :kept_length])
+        cos, sin = self._rotary_tables(length)
+        _static_shape(*keys, *values, dims=(1, 3))  # the slots (dim 0) and the length (dim 2) grow
         _static_shape(cos, sin, dims=(1,))
         self.frame = self.frame._replace(cos=cos, sin=sin, keys=keys, values=values)
-        self.position_ids = torch.arange(new_length, device=self.device)
-        self.length = new_length
+        self.position_ids = torch.arange(length, device=self.device)
+        self.length, self.allocated = length, slots
 
     def _rotary_tables(self, length: int) -> tuple[Tensor, Tensor]:
         positions = torch.arange(length, device=self.device).unsqueeze(0)
@@ -407,9 +443,10 @@ class SlotDecoder:
         """The dynamic dims of ``_decode_sample_step``'s arguments, for torch.export."""
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=self.slots) if self.slots > 1 else None  # a Dim needs min < max
+        slots = Dim("slots", min=1, max=self.slots) if self.slots > 1 else None
         span = Dim("span", min=1, max=self.max_positions)
         length = Dim("length", min=1, max=self.max_positions)
-        cache = tuple({2: length} for _ in self.constants)
+        cache = tuple({2: length} | ({0: slots} if slots is not None else {}) for _ in self.constants)
         static = pytree.tree_map(lambda _: {}, self.frame)  # the frame's structure, all dims fixed
         frame = static._replace(cos={0: length}, sin={0: length}, keys=cache, values=cache)
         rows = {0: batch} if batch is not None else {}

@@ -3,11 +3,14 @@
 Requests are split into sample rows (``n`` per request) and queued. Every iteration of the
 worker (see ``_work_until_stopped``) does, in this order: apply a pending weight update if it
 may be applied now; finish aborted samples and drop every finished one from the batch; admit
-queued samples into free slots (one prefill per request, at most ``max_prefill_tokens`` of
-prompt per step); run one decode step for every live sample. So requests join and leave the
-running batch at every step (``continuous.ContinuousBatch``, ``decoder.SlotDecoder``). A
-same-architecture weight update is copied into the live model between steps, so later tokens
-carry the new policy version; a new architecture waits until the batch is empty.
+queued samples while they fit (at most ``max_batch_size`` samples, whose KV cache, samples x
+the longest prompt + max_new_tokens, stays within ``max_batch_tokens``; one prefill per
+request, at most ``max_prefill_tokens`` of prompt per step); run one decode step for every
+live sample. An idle engine first waits up to ``batch_wait_s`` for the batch to fill. So
+requests join and leave the running batch at every step (``continuous.ContinuousBatch``,
+``decoder.SlotDecoder``). A same-architecture weight update is copied into the live model
+between steps, so later tokens carry the new policy version; a new architecture waits until
+the batch is empty.
 
 Models the slot decoder does not know (see ``decoder.unsupported_reason``) run on
 transformers' forward in static batches instead (``model.decode_batch``).
@@ -46,6 +49,7 @@ from services.rollout.torch.requests import (
     LoadedModel,
     Row,
     WeightUpdate,
+    admissible,
     record_tokens,
     validate_request,
 )
@@ -54,6 +58,13 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.1
 """How long the idle worker sleeps between checks of its stop flag."""
+AUTO_BUDGET_SAMPLES = 64
+"""max_batch_tokens=0 gives a batch the KV cache of this many samples of the model's full length."""
+_UNKNOWN_POSITIONS = 4096
+"""The length assumed for that budget when a model's config names no maximum."""
+_AUTO_POSITIONS_CAP = 2048
+"""The full length counted at most for that budget: a model of 8k or 128k positions would otherwise
+let 256 short samples hold tens of GB of KV cache on a laptop (set max_batch_tokens for more)."""
 
 
 class TorchEngine(EngineWeights):
@@ -71,12 +82,16 @@ class TorchEngine(EngineWeights):
         max_prefill_tokens: int = 4096,
         default_update_mode: int = rollout_pb2.WEIGHT_UPDATE_MODE_CONTINUE,
         compile_decode: bool = False,
+        max_batch_tokens: int = 0,
     ) -> None:
         self.device = device
         self.dtype = dtype
         """The dtype it serves weights in; None: each checkpoint's own (``model.load_model``)."""
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        """How long an idle engine waits for its batch to fill once a request is queued."""
+        self.max_batch_tokens = max_batch_tokens
+        """Most KV positions of a batch (samples x the longest need); 0: ``token_budget``'s default."""
         self.max_prefill_tokens = max_prefill_tokens
         self.compile_decode = compile_decode
         self.threads = torch.get_num_threads()
@@ -215,6 +230,13 @@ class TorchEngine(EngineWeights):
                 decode_path_reason=reason,
             )
 
+    def token_budget(self, loaded: LoadedModel) -> int:
+        """The KV positions a batch of ``loaded`` may hold: max_batch_tokens, or when 0 the cache
+        of AUTO_BUDGET_SAMPLES samples of the model's full length."""
+        if self.max_batch_tokens:
+            return self.max_batch_tokens
+        return AUTO_BUDGET_SAMPLES * min(loaded.max_positions or _UNKNOWN_POSITIONS, _AUTO_POSITIONS_CAP)
+
     # -- the worker ----------------------------------------------------------
 
     def _work(self) -> None:
@@ -250,7 +272,11 @@ class TorchEngine(EngineWeights):
             self._static_model, self._batch = loaded, None
             return None
         self._batch = ContinuousBatch(
-            loaded, capacity=self.max_batch_size, device=self.device, compile_step=self.compile_decode
+            loaded,
+            capacity=self.max_batch_size,
+            device=self.device,
+            compile_step=self.compile_decode,
+            max_tokens=self.token_budget(loaded),
         )
         return self._batch
 
@@ -267,14 +293,18 @@ class TorchEngine(EngineWeights):
                 return False
         if batch is not None:
             batch.retire()
-        if batch is not None and not batch.rows and batch.capacity != self.max_batch_size:
-            self._batch = batch = None  # max_batch_size was changed: new slots next time
+        if batch is not None and not batch.rows and self._limits_changed(batch):
+            self._batch = batch = None  # new slots next time
         with self._cond:
             if self._paused or self._loaded is None:
                 self._running = list(live)
                 self._cond.wait(_IDLE_WAIT_S)
                 return True
-            admitted = self._take_rows(len(live), batch.free if batch is not None else self.max_batch_size)
+            if batch is None:
+                admitted = self._take_rows(0, self.max_batch_size, 0)
+            else:
+                longest = batch.longest if self._live.queue else 0  # a walk over the rows: only when needed
+                admitted = self._take_rows(len(live), batch.free, longest)
             self._running = list(live) + admitted
         if not admitted and not live:
             return True
@@ -290,6 +320,10 @@ class TorchEngine(EngineWeights):
             self._batch = None
         return True
 
+    def _limits_changed(self, batch: ContinuousBatch) -> bool:
+        """Whether max_batch_size or the token budget changed since ``batch`` was built."""
+        return batch.capacity != self.max_batch_size or batch.max_tokens != self.token_budget(batch.loaded)
+
     def _advance(self, batch: ContinuousBatch, admitted: list[Row]) -> None:
         """Prefill ``admitted`` into ``batch`` and sample their first tokens, then decode one step."""
         tokenizer = batch.loaded.tokenizer
@@ -302,29 +336,40 @@ class TorchEngine(EngineWeights):
             tokens, logprobs = batch.step()
             record_tokens(rows, tokens, logprobs, version=self._version, tokenizer=tokenizer, hooks=self)
 
-    def _take_rows(self, live: int, free: int) -> list[Row]:
-        """Queued rows for the free slots, within the prefill budget (under the lock).
+    def _take_rows(self, live: int, free: int, longest: int) -> list[Row]:
+        """Queued rows that fit the free slots, the token budget and the prefill budget (under
+        the lock); ``longest``: the largest KV need of the ``live`` rows.
 
-        An idle engine waits up to batch_wait_s for the batch to fill; a busy one takes what
-        is queued now, so nobody waits for a batch to end.
+        An idle engine waits up to batch_wait_s for the batch to fill (as many samples as fit,
+        or more than fit, are queued); a busy one takes what is queued now, so nobody waits for a
+        batch to end.
         """
         if self._pending is not None and self._pending.model is not None:
             if not live:
                 self._cond.wait(_IDLE_WAIT_S)
             return []  # a new architecture is installed once the batch drains
+        assert self._loaded is not None
+        budget = self.token_budget(self._loaded)
         if not live:
             if not self._live.queue:
                 self._cond.wait(_IDLE_WAIT_S)
                 return []
-            deadline = time.monotonic() + self.batch_wait_s
-            while len(self._live.queue) < free and not (self._stopping or self._paused):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+            self._wait_for_a_full_batch(free, budget)
             if self._stopping or self._paused:
                 return []
-        return self._live.take(free, self.max_prefill_tokens)
+        return self._live.take(free, self.max_prefill_tokens, live=live, longest=longest, max_tokens=budget)
+
+    def _wait_for_a_full_batch(self, free: int, budget: int) -> None:
+        """Wait (under the lock) up to batch_wait_s, until the queue fills ``free`` slots or
+        ``budget`` KV positions, or the engine stops or pauses."""
+        deadline = time.monotonic() + self.batch_wait_s
+        while not (self._stopping or self._paused):
+            queue = self._live.queue
+            fitting = admissible(queue, free, max_tokens=budget)
+            left = deadline - time.monotonic()
+            if fitting >= free or fitting < len(queue) or left <= 0:
+                return
+            self._cond.wait(left)
 
     def _static_iteration(self) -> bool:
         """The static path: one whole batch on transformers' forward; False when stopping."""
@@ -343,19 +388,16 @@ class TorchEngine(EngineWeights):
         return True
 
     def _take_batch(self) -> list[Row]:
-        """Up to max_batch_size queued rows, once a batch is full or batch_wait_s has passed."""
+        """Queued rows that fit max_batch_size and the token budget, once they fill it or
+        batch_wait_s has passed."""
         if self._paused or self._loaded is None or not self._live.queue or self._pending is not None:
             self._cond.wait(_IDLE_WAIT_S)
             return []
-        deadline = time.monotonic() + self.batch_wait_s
-        while len(self._live.queue) < self.max_batch_size:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._stopping or self._paused or self._pending is not None:
-                break
-            self._cond.wait(left)
+        budget = self.token_budget(self._loaded)
+        self._wait_for_a_full_batch(self.max_batch_size, budget)
         if self._paused or self._stopping or self._pending is not None:
             return []
-        count = min(self.max_batch_size, len(self._live.queue))
+        count = admissible(self._live.queue, self.max_batch_size, max_tokens=budget)
         return [self._live.queue.popleft() for _ in range(count)]
 
     def _run_batch(self, rows: list[Row]) -> None:

@@ -78,6 +78,30 @@ class WeightUpdate:
     aborted_requests: int = 0
 
 
+def kv_need(row: Row) -> int:
+    """The cache positions ``row`` may fill: its prompt and every token it may sample."""
+    return len(row.request.prompt) + row.request.config.max_new_tokens
+
+
+def admissible(
+    queued: Iterable[Row], free: int, *, live: int = 0, longest: int = 0, max_tokens: int | None = None
+) -> int:
+    """How many of ``queued`` (from the front, in order) may join a batch of ``live`` rows whose
+    longest ``kv_need`` is ``longest``: at most ``free`` rows, and (when ``max_tokens`` is set)
+    all the rows times the longest need among them within ``max_tokens``, which is what the slot
+    cache holds (every slot is as long as the longest sample). An empty batch takes its first
+    row whatever its need, so no request waits for good."""
+    count = 0
+    for row in queued:
+        if count >= free:
+            break
+        longest = max(longest, kv_need(row))
+        if max_tokens is not None and (live + count + 1) * longest > max_tokens and live + count:
+            break
+        count += 1
+    return count
+
+
 class LiveRequests:
     """The torch engine's unfinished requests and their queued samples; the engine holds its
     lock around every call."""
@@ -117,12 +141,21 @@ class LiveRequests:
             if row.finish is None and (row.request.aborted or stopping):
                 self.finish(row, common_pb2.FINISH_REASON_ABORT)
 
-    def take(self, free: int, prefill_budget: int) -> list[Row]:
-        """Queued samples for ``free`` slots whose requests' prompts fit ``prefill_budget`` tokens
-        together (the first request is taken whatever its length)."""
+    def take(
+        self,
+        free: int,
+        prefill_budget: int,
+        *,
+        live: int = 0,
+        longest: int = 0,
+        max_tokens: int | None = None,
+    ) -> list[Row]:
+        """The queued samples that may join (``admissible``) whose requests' prompts fit
+        ``prefill_budget`` tokens together (the first request is taken whatever its length)."""
+        count = admissible(self.queue, free, live=live, longest=longest, max_tokens=max_tokens)
         rows: list[Row] = []
         prefill: set[int] = set()
-        while self.queue and len(rows) < free:
+        while self.queue and len(rows) < count:
             request = self.queue[0].request
             if id(request) not in prefill:
                 if prefill and len(request.prompt) > prefill_budget:
