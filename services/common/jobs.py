@@ -357,16 +357,26 @@ class JobStore:
         return applied == 1
 
     async def publish_prompts(
-        self, job_id: str, tasks: Sequence[common_pb2.PromptTask], *, batches: int, extra: int
+        self,
+        job_id: str,
+        tasks: Sequence[common_pb2.PromptTask],
+        *,
+        batches: int,
+        extra: int,
+        metric: common_pb2.Metric | None = None,
     ) -> None:
         """Publish prompt tasks on the job's prompts stream and record that the controller has
         now issued ``batches`` prompt batches and ``extra`` replacement prompts, in one MULTI,
-        so that a restarted controller neither repeats nor skips a prompt."""
+        so that a restarted controller neither repeats nor skips a prompt; ``metric`` goes on
+        the job's metrics stream in the same round trip."""
+        streams = JobStreams(job_id)
         fields = {"issued_batches": batches, "issued_extra": extra, "updated_at": repr(time.time())}
         pipe = self.redis.pipeline(transaction=True)
         for task in tasks:
-            pipe.xadd(JobStreams(job_id).prompts, encode(task), maxlen=DEFAULT_MAXLEN)
+            pipe.xadd(streams.prompts, encode(task), maxlen=DEFAULT_MAXLEN)
         pipe.hset(job_key(job_id), mapping=fields)
+        if metric is not None:
+            pipe.xadd(streams.metrics, encode(metric), maxlen=DEFAULT_MAXLEN)
         await pipe.execute()
 
     async def count_dropped(
@@ -393,21 +403,34 @@ class JobStore:
         policy_version: int = 0,
     ) -> None:
         """Keep the latest value of each metric (as "{source}/{name}") and append a history row."""
-        key = job_key(job_id)
         row = MetricRow(step, policy_version, source, {k: float(v) for k, v in values.items()}, time.time())
+        await self.merge_metric_rows(job_id, [row])
+
+    async def merge_metric_rows(
+        self, job_id: str, rows: Sequence[MetricRow], *, acked: Sequence[str] = ()
+    ) -> None:
+        """``merge_metrics`` of several rows, in order, in one transaction; ``acked``: entries of
+        the job's metrics stream that these rows came from, acked for the controller's group in
+        the same MULTI, so that none is merged twice or acked unmerged."""
+        key, history = job_key(job_id), job_history_key(job_id)
 
         async def merge(pipe: Any) -> None:
             current = await pipe.hget(key, "metrics_json")
             if current is None:
                 raise JobNotFoundError(job_id)
             latest = json.loads(current)
-            latest.update({f"{source}/{name}": value for name, value in row.values.items()})
+            for row in rows:
+                latest.update({f"{row.source}/{name}": value for name, value in row.values.items()})
             pipe.multi()
-            pipe.hset(key, mapping={"metrics_json": json.dumps(latest), "updated_at": repr(row.time)})
-            pipe.rpush(job_history_key(job_id), row.to_json())
-            pipe.ltrim(job_history_key(job_id), -self.history_limit, -1)
+            updated = repr(max(row.time for row in rows))
+            pipe.hset(key, mapping={"metrics_json": json.dumps(latest), "updated_at": updated})
+            pipe.rpush(history, *(row.to_json() for row in rows))
+            pipe.ltrim(history, -self.history_limit, -1)
+            if acked:
+                pipe.xack(JobStreams(job_id).metrics, CONTROLLER_GROUP, *acked)
 
-        await self.redis.transaction(merge, key)
+        if rows:
+            await self.redis.transaction(merge, key)
 
     async def history(
         self, job_id: str, *, source: str | None = None, limit: int = 10_000

@@ -24,6 +24,9 @@ class ControllerSettings(RolloutClientSettings):
     """Prometheus /metrics port of `python -m services.controller` (inside the api: the api's /metrics)."""
     poll_interval_s: float = Field(0.5, ge=0.05, le=60.0)
     """How often the controller looks for new, cancelled and finished jobs."""
+    metrics_merge_s: float = Field(0.5, ge=0.0, le=60.0)
+    """Least time between two merges of a job's new metrics into its record (each merges all that
+    arrived meanwhile, in one transaction); 0: merge each read at once."""
     queue_timeout_s: float = Field(86_400.0, ge=1.0, le=30 * 86_400.0)
     """How long a queued job may wait for its first checkpoint (v0) before it fails."""
     stall_timeout_s: float = Field(600.0, ge=1.0, le=7 * 86_400.0)

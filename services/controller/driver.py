@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.bus import Bus, Delivery
+from services.common.bus import Bus, Delivery, metric_message
 from services.common.consumer import StreamConsumer
 from services.common.housekeeping import tend_job, tidy_ended_job
 from services.common.job_tokenizer import load_job_tokenizer
@@ -57,6 +57,7 @@ from services.common.jobs import (
     SUCCEEDED,
     JobRecord,
     JobStore,
+    MetricRow,
 )
 from services.common.outage import RedisOutageError, calm_since, wait_until_up
 from services.common.pb import common_pb2
@@ -77,6 +78,12 @@ DRAIN_TIMEOUT_S = 5.0
 """How long a finishing driver keeps reading metrics that are already published."""
 Outcome = tuple[str, str] | None
 """(final state, reason), or None when the driver was stopped from outside."""
+
+
+def metric_row(metric: common_pb2.Metric, merged_at: float) -> MetricRow:
+    """A Metric as a row of the job's metrics history."""
+    values = {name: float(value) for name, value in metric.values.items()}
+    return MetricRow(metric.step, metric.policy_version, metric.source or "unknown", values, merged_at)
 
 
 def queue_timeout_reason(waited_s: float) -> str:
@@ -295,24 +302,24 @@ class JobDriver:
         )
 
     async def _publish(self, tasks: list[common_pb2.PromptTask], *, extra: bool) -> None:
-        """Prompts and the new issued counts, in one MULTI."""
+        """Prompts, the new issued counts and the batch's issue lag, in one MULTI."""
         batches, extras = (
             (self._batches, self._extra + len(tasks)) if extra else (self._batches + 1, self._extra)
         )
         for task in tasks:
             # the current lineage's newest version: after a resume it may be below latest_version
             task.policy_epoch, task.policy_version = self._epoch
-        await self.store.publish_prompts(self.job_id, tasks, batches=batches, extra=extras)
+        lag = None
+        if not extra and self._version_at > 0:  # a batch that the newest version let out
+            values = {"issue_lag_s": max(0.0, time.time() - self._version_at)}
+            version = self.latest_version
+            lag = metric_message(self.job_id, "controller", values, step=version, policy_version=version)
+        await self.store.publish_prompts(self.job_id, tasks, batches=batches, extra=extras, metric=lag)
         what = (
             f"{len(tasks)} replacement prompts" if extra else f"batch {self._batches} ({len(tasks)} prompts)"
         )
         self._batches, self._extra = batches, extras
         self.deps.metrics.prompts_issued.inc(len(tasks))
-        if not extra and self._version_at > 0:  # a batch that the newest version let out
-            lag = {"issue_lag_s": max(0.0, time.time() - self._version_at)}
-            await self.deps.bus.publish_metric(
-                self.job_id, "controller", lag, step=self.latest_version, policy_version=self.latest_version
-            )
         log.info("%s: issued %s at version %d", self.job_id, what, self.latest_version)
 
     # -- 2-3. generate and score happen in a runner: what it could not do comes back as a dead letter ---
@@ -413,25 +420,24 @@ class JobDriver:
         return True
 
     async def _follow_metrics(self) -> None:
-        """Merge every Metric into the job record; once draining, until none is left."""
+        """Merge every Metric into the job record; once draining, until none is left. What
+        arrives within ``metrics_merge_s`` of a merge waits for the next one: a step's metrics
+        (trainer, engines, this controller) go in one transaction, not one each."""
         consumer = self._consumer(self.streams.metrics, common_pb2.Metric, 200)
         drain_until = float("inf")
         while time.monotonic() < drain_until:
             deliveries = await consumer.poll()
-            for delivery in deliveries:
-                metric = delivery.message
-                await self.store.merge_metrics(
-                    self.job_id,
-                    dict(metric.values),
-                    step=metric.step,
-                    source=metric.source or "unknown",
-                    policy_version=metric.policy_version,
-                )
-            await consumer.ack(deliveries)
+            now = time.time()
+            rows = [metric_row(delivery.message, now) for delivery in deliveries]
+            acked = [delivery.entry_id for delivery in deliveries]
+            await self.store.merge_metric_rows(self.job_id, rows, acked=acked)  # acked with the merge
             if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
                 drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
                 if not deliveries:
                     return
+            elif deliveries and self.settings.metrics_merge_s:
+                with contextlib.suppress(TimeoutError):  # winding down ends the wait
+                    await asyncio.wait_for(self._stopping.wait(), self.settings.metrics_merge_s)
 
     # -- machinery: helpers, their supervision, the stall watchdog -------------------------------
 

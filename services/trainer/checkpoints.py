@@ -28,6 +28,7 @@ shared by them), rank 0 renames it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -66,6 +67,9 @@ TRAINING_STATE_FILE = "training_state.json"
 """Inside TRAINING_STATE_DIR: the world size and ZeRO stage that wrote it."""
 KEEP_WEIGHTS = 3
 """Weights-only directories kept: the newest, and two an engine may still be loading."""
+RESCAN_EVERY = 100
+"""``prune`` lists the directories again after this many prunes (else it goes by what this
+store wrote and deleted): a safety net for directories written by another trainer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +144,18 @@ def link_files(source: Path, staging: Path, final: Path, skip: frozenset[str]) -
     return linked
 
 
+@dataclass(slots=True)
+class _Index:
+    """A job directory's complete checkpoints, as ``CheckpointStore.prune`` knows them."""
+
+    durable: list[int]
+    """Versions of the durable checkpoints, ascending."""
+    weights: list[tuple[int, int]]
+    """(epoch, version) of the weights-only directories, ascending."""
+    prunes: int = 0
+    """Prunes since the directories were last listed."""
+
+
 class CheckpointStore:
     """Writes, finds and prunes one job's weights-only and durable checkpoints."""
 
@@ -151,6 +167,9 @@ class CheckpointStore:
         self.weights_root = self.job_dir / WEIGHTS_DIR
         self.base_dir = self.job_dir / BASE_DIR
         self.keep = keep
+        self._index: _Index | None = None
+        """What ``prune`` goes by: the directories on disk as last listed, plus what this store
+        wrote since (None: list them at the next prune)."""
 
     def directory(self, version: int) -> Path:
         """The durable checkpoint of ``version``."""
@@ -210,6 +229,8 @@ class CheckpointStore:
             (staging / WEIGHTS_HANDLE_FILE).write_text(json_format.MessageToJson(handle))
 
         self._stage(final, fill)
+        if self._index is not None:
+            bisect.insort(self._index.weights, (epoch, version))
         return PublishedWeights(handle, final, tree_bytes(final, frozenset(linked)))
 
     def ensure_base(self, dtype: str, write_model: Callable[[Path], None]) -> BaseWeights:
@@ -258,6 +279,8 @@ class CheckpointStore:
             (staging / HANDLE_FILE).write_text(json_format.MessageToJson(handle))
 
         self._stage(final, fill)
+        if self._index is not None:
+            bisect.insort(self._index.durable, int(weights.handle.version))
         ids = frozenset(consumed)
         return SavedCheckpoint(handle, final, ids, since_version, tree_bytes(final, frozenset(linked)))
 
@@ -297,9 +320,17 @@ class CheckpointStore:
 
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep`` durable checkpoints and the newest ``KEEP_WEIGHTS``
-        weights-only directories (by lineage, then version); returns what was deleted."""
-        durable = [self.directory(v) for v in self.versions()[: -self.keep]]
-        weights = [self.weights_directory(v, e) for e, v in self.weights()[:-KEEP_WEIGHTS]]
+        weights-only directories (by lineage, then version); returns what was deleted. Runs
+        every step: it goes by an index of the directories (listed once every ``RESCAN_EVERY``
+        prunes, and kept up to date by this store's writes), not by listing them each time."""
+        index = self._index
+        if index is None or index.prunes >= RESCAN_EVERY:
+            index = self._index = _Index(self.versions(), self.weights())
+        index.prunes += 1
+        old_durable, index.durable = index.durable[: -self.keep], index.durable[-self.keep :]
+        old_weights, index.weights = index.weights[:-KEEP_WEIGHTS], index.weights[-KEEP_WEIGHTS:]
+        durable = [self.directory(v) for v in old_durable]
+        weights = [self.weights_directory(v, e) for e, v in old_weights]
         for directory in durable + weights:
             shutil.rmtree(directory, ignore_errors=True)
         return durable + weights

@@ -20,6 +20,7 @@ from services.common.jobs import (
     SUCCEEDED,
     JobNotFoundError,
     JobStore,
+    MetricRow,
     decode_spec,
     decode_submission,
     job_history_key,
@@ -246,6 +247,40 @@ async def test_prompts_and_issued_counts_are_written_together(store: JobStore, b
     assert [t.prompt_id for t in published] == [tasks[0].prompt_id, tasks[1].prompt_id, tasks[0].prompt_id]
     record = await store.get(job_id)
     assert (record.issued_batches, record.issued_extra) == (1, 1)
+
+
+async def test_metric_rows_merge_in_order_and_are_acked_with_the_merge(store: JobStore, bus: Bus) -> None:
+    """The controller merges what one read of the metrics stream brought in one transaction that
+    also acks those entries: a row is never merged without its ack, nor acked unmerged."""
+    job_id = (await store.create(JobSpec())).job_id
+    stream = JobStreams(job_id).metrics
+    await bus.ensure_group(stream, CONTROLLER_GROUP)
+    for step in (1, 2):
+        await bus.publish_metric(job_id, "trainer", {"loss": 1.0 / step}, step=step, policy_version=step)
+    read = await bus.read(stream, CONTROLLER_GROUP, "c", common_pb2.Metric, count=10, block_ms=100)
+    rows = [MetricRow(d.message.step, d.message.policy_version, d.message.source, dict(d.message.values), 0.0)
+            for d in read]  # fmt: skip
+    rows.append(MetricRow(2, 2, "rollout", {"weight_sync_latency_s": 0.01}, 0.0))
+    assert await bus.pending_count(stream, CONTROLLER_GROUP) == 2
+    await store.merge_metric_rows(job_id, rows, acked=[d.entry_id for d in read])
+    assert await bus.pending_count(stream, CONTROLLER_GROUP) == 0
+    record = await store.get(job_id)
+    assert record.metrics == {"trainer/loss": 0.5, "rollout/weight_sync_latency_s": 0.01}
+    assert [(r.source, r.step) for r in await store.history(job_id)] == [
+        ("trainer", 1), ("trainer", 2), ("rollout", 2)
+    ]  # fmt: skip
+    with pytest.raises(JobNotFoundError):
+        await store.merge_metric_rows("nope-00000000", rows, acked=["1-0"])
+
+
+async def test_a_batch_and_its_issue_lag_metric_go_out_together(store: JobStore, bus: Bus) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    tasks = [common_pb2.PromptTask(prompt_id=f"{job_id}:0:0", job_id=job_id)]
+    lag = common_pb2.Metric(job_id=job_id, source="controller", step=3, values={"issue_lag_s": 0.02})
+    await store.publish_prompts(job_id, tasks, batches=1, extra=0, metric=lag)
+    [metric] = await stream_messages(bus, JobStreams(job_id).metrics, common_pb2.Metric)
+    assert metric == lag
+    assert len(await stream_messages(bus, JobStreams(job_id).prompts, common_pb2.PromptTask)) == 1
 
 
 async def test_dropped_groups_are_counted_once_per_control_entry(store: JobStore, bus: Bus) -> None:

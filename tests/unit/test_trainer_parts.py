@@ -130,6 +130,48 @@ def test_checkpoint_store_writes_atomically_and_prunes(tmp_path: Path) -> None:
     assert store.weights() == [(2, 4), (2, 5), (3, 3)]
 
 
+def test_pruning_each_step_goes_by_the_index_and_lists_again_now_and_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prune runs every step: it keeps what a listing would keep without listing the directories
+    each time, and a directory another trainer wrote is pruned once it lists them again."""
+    from services.trainer import checkpoints
+
+    monkeypatch.setattr(checkpoints, "RESCAN_EVERY", 5)
+    store = CheckpointStore(tmp_path, "job", keep=2)
+    listings = {"count": 0}
+    listed = store.weights
+
+    def counted_weights() -> list[tuple[int, int]]:
+        listings["count"] += 1
+        return listed()
+
+    monkeypatch.setattr(store, "weights", counted_weights)
+
+    def write(directory: Path) -> None:
+        save_file({"w": torch.arange(4.0)}, str(directory / "model.safetensors"))
+
+    def write_state(directory: Path) -> None:
+        (directory / "training_state").mkdir()
+
+    (store.job_dir / "weights" / "v000000-e0").mkdir(parents=True)  # an earlier lineage's
+    for version in range(1, 9):
+        published = store.publish_weights(version, 1, "float32", write)
+        if version % 3 == 0:
+            store.save_durable(published, write_state, [], 0)
+        store.prune()
+        expected = [(0, 0), *((1, v) for v in range(1, version + 1))][-checkpoints.KEEP_WEIGHTS :]
+        assert checkpoints.weights_versions(store.job_dir) == expected
+        assert checkpoints.durable_versions(store.job_dir) == [3, 6][: version // 3][-2:]
+    assert listings["count"] == 2  # the first prune and the sixth listed; the others did not
+    (store.weights_root / "v000002-e1").mkdir()  # written by a trainer this store does not know of
+    for _ in range(2):
+        store.prune()
+    assert (store.weights_root / "v000002-e1").is_dir()  # not listed yet: left alone
+    store.prune()  # the fifth since the last listing lists them again
+    assert not (store.weights_root / "v000002-e1").exists() and listings["count"] == 3
+
+
 def test_a_weights_snapshot_is_what_the_step_made_whatever_comes_after(tmp_path: Path) -> None:
     """Weights are written beside the next step (job.py): from a snapshot, each tensor once."""
     from safetensors.torch import load_file
