@@ -139,15 +139,19 @@ class Run:
 # -- payloads -----------------------------------------------------------------
 
 
-def build_trajectories(n: int, tokens: int, prompt_tokens: int, seed: int = 0) -> list[Trajectory]:
-    """Realistic trajectories in groups of GROUP_SIZE: token ids below VOCAB, negative logprobs."""
+def build_trajectories(
+    n: int, tokens: int, prompt_tokens: int, job_id: str, seed: int = 0
+) -> list[Trajectory]:
+    """Realistic trajectories of ``job_id`` in groups of GROUP_SIZE: token ids below VOCAB, negative
+    logprobs. The bus dead-letters a trajectory read from another job's stream, so ``job_id`` must
+    be the job whose stream they go to."""
     rng = np.random.default_rng(seed)
     out: list[Trajectory] = []
     for i in range(n):
         group = i // GROUP_SIZE
         traj = Trajectory(
             id=f"traj-{i:08d}",
-            job_id="bench",
+            job_id=job_id,
             prompt_id=f"prompt-{group:07d}",
             group_id=f"group-{group:07d}",
             sample_index=i % GROUP_SIZE,
@@ -326,11 +330,10 @@ async def _reset(url: str, *streams: str, group_on: str | None = None) -> None:
 # -- one repetition ---------------------------------------------------------------------
 
 
-def run_once(
-    url: str, trajectories: Sequence[Trajectory], payloads: Sequence[bytes], cfg: Config, k: int
-) -> Run:
-    """One repetition on fresh streams: the bus pipeline and its checks, then raw XADD."""
-    streams = JobStreams(f"bench-{os.getpid()}-{k}")
+def run_once(url: str, trajectories: Sequence[Trajectory], payloads: Sequence[bytes], cfg: Config) -> Run:
+    """One repetition on fresh streams (the trajectories' job's, deleted before and after): the bus
+    pipeline and its checks, then raw XADD."""
+    streams = JobStreams(trajectories[0].job_id)
     bus_stream, raw_stream = streams.trajectories, f"{streams.trajectories}:raw"
     asyncio.run(_reset(url, bus_stream, raw_stream, group_on=bus_stream))
     try:
@@ -423,7 +426,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def measure(url: str, cfg: Config) -> tuple[list[int], list[Run]]:
     """Build the payloads, then run the warm-ups and the measured runs; returns sizes and runs."""
-    trajectories = build_trajectories(cfg.trajectories, cfg.tokens, cfg.prompt_tokens)
+    # One job per process: its streams are this run's alone on a shared Redis server.
+    trajectories = build_trajectories(cfg.trajectories, cfg.tokens, cfg.prompt_tokens, f"bench-{os.getpid()}")
     payloads = [t.SerializeToString() for t in trajectories]
     sizes = [len(p) for p in payloads]
     print(
@@ -432,7 +436,7 @@ def measure(url: str, cfg: Config) -> tuple[list[int], list[Run]]:
     )
     runs: list[Run] = []
     for k in range(1 - cfg.warmup, cfg.repeat + 1):
-        run = run_once(url, trajectories, payloads, cfg, k)
+        run = run_once(url, trajectories, payloads, cfg)
         label = f"run {k}" if k > 0 else "warm-up (not counted)"
         print(
             f"{label}: bus {run.bus_rate:,.0f} trajectories/s ({run.bus_s:.2f} s, publishing done at"

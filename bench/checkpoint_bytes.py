@@ -7,16 +7,24 @@ step), ``checkpoint_seconds`` (durable checkpoints), ``step_seconds`` and ``byte
 weights' size is the published handles' ``size_bytes`` (a LoRA job's: its adapter's, examples/lora.yaml).
 
     .venv/bin/python bench/checkpoint_bytes.py [spec.yaml]
+    .venv/bin/python bench/checkpoint_bytes.py examples/lora.yaml --steps 10
+
+The last line is ``bytes written per step: <n> (weights <size>: <ratio>x)``.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+import tempfile
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml
 
 from services.client import job_history, submit
 from services.common.checkpoint_layout import SavedVersions
@@ -27,15 +35,35 @@ from services.stack import Stack, StackConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def main(spec_path: Path) -> int:
-    spec = load_job_spec(spec_path)
-    config = StackConfig(log_dir=Path("runs/checkpoint_bytes/logs"), engines=1, api_port=0, router_port=0,
-                         engine_port=0, reward_port=0, trainer_port=0, runner_port=0,
-                         engine_metrics_port=0)  # fmt: skip
-    with Stack(config) as stack:
-        job_id = submit(stack.api_url, spec_path)["job_id"]
-        job = follow(stack, job_id, spec.trainer.steps)
-        history = job_history(stack.api_url, job_id)
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("spec", type=Path, nargs="?", default=ROOT / "examples" / "grpo.yaml",
+                        help="the job (examples/grpo.yaml)")  # fmt: skip
+    parser.add_argument("--steps", type=int, help="the job's trainer.steps (the spec's)")
+    parser.add_argument("--log-dir", type=Path, default=Path("runs/checkpoint_bytes/logs"),
+                        help="the services' logs (%(default)s)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="verst-checkpoint-bytes-") as scratch:
+        spec_path = args.spec
+        if args.steps is not None:  # submit a copy of the spec with its steps overridden
+            data = yaml.safe_load(args.spec.read_text())
+            data.setdefault("trainer", {})["steps"] = args.steps
+            spec_path = Path(scratch) / args.spec.name
+            spec_path.write_text(yaml.safe_dump(data))
+        spec = load_job_spec(spec_path)
+        config = StackConfig(log_dir=args.log_dir, engines=1, api_port=0, router_port=0, engine_port=0,
+                             reward_port=0, trainer_port=0, runner_port=0, engine_metrics_port=0)  # fmt: skip
+        with Stack(config) as stack:
+            job_id = submit(stack.api_url, spec_path)["job_id"]
+            job = follow(stack, job_id, spec.trainer.steps)
+            history = job_history(stack.api_url, job_id)
     rows = [row for row in history if row["source"] == "trainer" and "step_seconds" in row["values"]]
     steps = [row["values"] for row in rows]
     if job["state"] != "JOB_STATE_SUCCEEDED" or not steps:
@@ -70,4 +98,4 @@ def weights_size(spec: JobSpec, job_id: str) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "examples" / "grpo.yaml"))
+    sys.exit(main())

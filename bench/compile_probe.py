@@ -79,7 +79,7 @@ def race_batches(task: BenchTask, batches: int) -> tuple[JobSpec, list[list[Trai
     return spec, prepared
 
 
-def probe_trainer(task: BenchTask, repeat: int) -> dict[str, list[float]]:
+def probe_trainer(task: BenchTask, repeat: int, backend: str) -> dict[str, list[float]]:
     """Seconds of ``Policy.optimise`` per step, eager and compiled, on the task's race batches."""
     spec, batches = race_batches(task, 4)
     model_dir = task.model_dir()
@@ -89,7 +89,7 @@ def probe_trainer(task: BenchTask, repeat: int) -> dict[str, list[float]]:
         "compiled": Policy.load(spec, model_dir, model_dir, CPU),
     }
     module = sides["compiled"].engine.module
-    module.forward = torch.compile(module.forward, dynamic=True)
+    module.forward = torch.compile(module.forward, dynamic=True, backend=backend)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for step in range(repeat + 1):
         order = list(sides) if step % 2 == 0 else list(reversed(sides))
@@ -114,11 +114,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=34, help="tokens per sample, prompt and answer")
     parser.add_argument("--repeat", type=int, default=6)
     parser.add_argument("--trainer", action="store_true", help="time verst's Policy.optimise on race batches")
+    parser.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                        help="torch.compile's backend (%(default)s); the others skip code generation,"
+                        " to check in seconds that the probe runs")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.trainer:
-        times = probe_trainer(BENCH_TASKS[args.task], args.repeat)
+        times = probe_trainer(BENCH_TASKS[args.task], args.repeat, args.backend)
         first = {name: seconds.pop(0) for name, seconds in times.items()}
         print(
             f"threads {args.threads}; first steps:"
@@ -131,7 +134,7 @@ def main() -> None:
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(4, model.config.vocab_size, (args.rows, args.width))
-    sides = {"eager": model, "compiled": torch.compile(model, dynamic=False)}
+    sides = {"eager": model, "compiled": torch.compile(model, dynamic=False, backend=args.backend)}
     first = {name: train_step(side, params, opt, ids) for name, side in sides.items()}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(args.repeat):
@@ -152,7 +155,11 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         print(f"{name}: median {statistics.median(seconds):.4f} s ({', '.join(f'{s:.3f}' for s in seconds)})")
     ratio = statistics.median(times["eager"]) / statistics.median(times["compiled"])
     mode = " trainer" if args.trainer else ""
-    print(f"compile_probe:{mode} task={args.task} threads={args.threads} eager_over_compiled={ratio:.2f}")
+    backend = "" if args.backend == "inductor" else f" backend={args.backend}"
+    print(
+        f"compile_probe:{mode} task={args.task} threads={args.threads}{backend}"
+        f" eager_over_compiled={ratio:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 ``reverse``), with the rollouts of step k sampled by the weights of version k - lag, as an
 asynchronous pipeline at its staleness bound serves them.
 
-    PYTHONPATH=$PWD python -m bench.staleness --lag 1 --set off_policy_correction=decoupled --seeds 0 1 2
-    PYTHONPATH=$PWD python -m bench.staleness --task reverse --lag 0 --steps 40
+    .venv/bin/python bench/staleness.py --lag 1 --set off_policy_correction=decoupled --seeds 0 1 2
+    .venv/bin/python bench/staleness.py --task reverse --lag 0 --steps 40
 
 The job is the race's on that task (group size, prompts per step, max_new_tokens, learning rate and
 clipping of its ``BENCH_TASKS`` entry); rewards are the task's scorer (partial credit on reverse)
@@ -21,8 +21,13 @@ import argparse
 import collections
 import copy
 import json
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import yaml
@@ -163,8 +168,8 @@ def run(
             "seconds": round(time.monotonic() - started)}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--task", default="addition", help=f"of {', '.join(BENCH_TASKS)} (%(default)s)")
     parser.add_argument("--lag", type=int, default=1, help="versions between sampler and trainer")
     parser.add_argument("--set", action="append", default=[], help="algorithm setting, key=value (YAML)")
@@ -172,7 +177,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-prompts", type=int, default=200)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     settings = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     task = get_bench_task(args.task)
     init_distributed(CPU)
