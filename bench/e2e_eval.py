@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.e2e_runs import Run
-from bench.e2e_tasks import encode_prompt
 
 
 class Evaluator:
@@ -22,17 +21,19 @@ class Evaluator:
         self,
         tokenizer_dir: Path,
         examples: Sequence[Any],
-        correct: Callable[[str, str], bool],
+        correct: Callable[[str, Any], bool],
         max_new_tokens: int,
+        encode: Callable[[Any, Any], list[int]],
         batch_size: int = 256,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.examples = list(examples)
         self.correct = correct
-        """(response text, answer) -> whether it is right (the task's exact-match component)."""
+        """(response text, example) -> whether it is right (the task's exact-match component)."""
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        self.prompts = [encode_prompt(self.tokenizer, example.text) for example in self.examples]
+        self.prompts = [encode(self.tokenizer, example) for example in self.examples]
+        """Each example's prompt ids as verst's controller encodes them (``BenchTask.encode``)."""
         self.base: dict[Path, float] = {}
         """Accuracy of the base model, which every run starts from."""
 
@@ -43,9 +44,9 @@ class Evaluator:
         right = 0
         for first in range(0, len(self.prompts), self.batch_size):
             rows = self.prompts[first : first + self.batch_size]
-            answers = [example.answer for example in self.examples[first : first + self.batch_size]]
+            examples = self.examples[first : first + self.batch_size]
             responses = self._greedy(model, rows)
-            right += sum(self.correct(text, answer) for text, answer in zip(responses, answers, strict=True))
+            right += sum(self.correct(text, ex) for text, ex in zip(responses, examples, strict=True))
         return right / len(self.prompts)
 
     def _greedy(self, model: Any, prompts: list[list[int]]) -> list[str]:

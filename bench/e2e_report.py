@@ -43,8 +43,9 @@ Differences between the sides that the race does not remove:
 - Sampling: verst's engine samples with its own RNG (seeded by the job's seed), TRL with
   transformers' `generate` (seeded by `seed`), so the samples differ; TRL's runs repeat exactly on
   the CPU, verst's vary with the timing of its asynchronous services.
-- TRL writes the prompts with BOS spelled out as text, which its tokenizer turns into exactly the
-  ids verst's prompt encoding gives (checked at every TRL start).
+- TRL writes a text prompt with BOS spelled out as text, and gets a chat prompt (`--task smollm2`)
+  as the messages verst renders, which it renders with the same chat template; either way its
+  prompt ids are exactly those verst's prompt encoding gives (checked at every TRL start).
 - Precision (`--dtype`): in float32 both sides compute in float32. In bfloat16 verst runs
   `trainer.autocast: bfloat16` with its LM head in float32 and its engines in float32; TRL runs
   accelerate's bf16 autocast (`bf16=True`) over its whole forward, LM head included. Both keep float32
@@ -76,9 +77,10 @@ def settings_lines(
     hp: Hyper, task: BenchTask, max_staleness: int, threads: int, seed_per_pair: bool = False
 ) -> list[str]:
     seed = f"seed {hp.seed} + pair - 1 (both runs of a pair alike)" if seed_per_pair else f"seed {hp.seed}"
+    data = "" if task.builtin else f" (chat template, options {dict(task.options)})"
     return [
         f"- task {task.name} ({task.bound}-bound): base model {task.model} ({hp.model_dir}), prompts"
-        f" {task.data}, reward: the task's scorer (verst verifier `{task.verifier}`)",
+        f" {task.data}{data}, reward: the task's scorer (verst verifier `{task.verifier}`)",
         f"- {hp.prompts_per_step} prompts x {hp.group_size} samples per step, max_new_tokens"
         f" {hp.max_new_tokens}, temperature {hp.temperature:g}, learning rate {hp.learning_rate:g}, clip"
         f" {hp.clip_low:g} / {hp.clip_high:g}, {seed}, {hp.max_steps} steps, checkpoints evaluated"
@@ -149,6 +151,27 @@ def medians_line(runs: Sequence[Run], result: Outcome) -> str:
     )
 
 
+def final_accuracy(run: Run) -> float:
+    """Held-out accuracy at the run's last evaluated step (nan when it is not evaluated)."""
+    final = max(run.points, key=lambda p: p.step, default=None)
+    return math.nan if final is None or final.accuracy is None else final.accuracy
+
+
+def steps_line(task: str, runs: Sequence[Run]) -> str:
+    """What a race of a fixed number of steps shows, per side the median over its runs: seconds per
+    step, held-out accuracy after the last step; and TRL's seconds per step over verst's, e.g.
+    ``e2e steps: task=smollm2 steps=30 verst_step_s=13.100 trl_step_s=20.000 step_ratio=1.53
+    verst_accuracy=0.700 trl_accuracy=0.675``."""
+    per_step = {side: median_of(runs, side, lambda r: r.seconds_per_step) for side in ("verst", "trl")}
+    accuracy = {side: median_of(runs, side, final_accuracy) for side in ("verst", "trl")}
+    ratio = per_step["trl"] / per_step["verst"] if per_step["verst"] > 0 else math.nan
+    return (
+        f"e2e steps: task={task} steps={max((run.steps for run in runs), default=0)}"
+        f" verst_step_s={per_step['verst']:.3f} trl_step_s={per_step['trl']:.3f} step_ratio={ratio:.2f}"
+        f" verst_accuracy={accuracy['verst']:.3f} trl_accuracy={accuracy['trl']:.3f}"
+    )
+
+
 def section_title(task: str) -> str:
     """The RESULTS.md section of the race on ``task``: one per task, so that a race on one task
     leaves the others' results alone."""
@@ -174,6 +197,7 @@ def section(
         medians_line(runs, result),
         *([load_warning(runs)] if load_warning(runs) else []),
         "",
+        f"    {steps_line(result.task, runs)}",
         f"    {result.line()}",
         "",
         "Held-out greedy accuracy per step (every run, the same evaluator and held-out prompts):",

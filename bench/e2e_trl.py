@@ -128,14 +128,15 @@ def make_callback(hp: Hyper, run: Run, out_dir: Path) -> Any:
     return RaceCallback()
 
 
-def train(hp: Hyper, run: Run, out_dir: Path, train_rows: list[dict[str, str]], score: Any) -> None:
-    """One GRPOTrainer run over ``train_rows`` (prompt text with BOS, answer) in order."""
+def train(hp: Hyper, run: Run, out_dir: Path, train_rows: list[dict[str, Any]], score: Any) -> None:
+    """One GRPOTrainer run over ``train_rows`` (``prompt_rows``) in order; ``score(text, row)``
+    rewards a completion of row number ``row``."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
-        return [score(text, ans) for text, ans in zip(completions, answer, strict=True)]
+    def reward(prompts: list[Any], completions: list[Any], row: list[int], **_: Any) -> list[float]:
+        return [score(completion_text(c), index) for c, index in zip(completions, row, strict=True)]
 
     tokenizer = AutoTokenizer.from_pretrained(hp.model_dir)
     trainer = GRPOTrainer(
@@ -149,20 +150,46 @@ def train(hp: Hyper, run: Run, out_dir: Path, train_rows: list[dict[str, str]], 
     trainer.train()
 
 
-def prompt_rows(hp: Hyper, tokenizer: Any) -> list[dict[str, str]]:
-    """The training prompts of verst's job, in its order, as TRL rows whose text tokenizes to
-    exactly the ids verst's prompt encoding gives (BOS written out as text)."""
-    from bench.e2e_tasks import encode_prompt, get_bench_task
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """A completion's text: TRL gives a chat prompt's completion as ``[{"role": "assistant",
+    "content": <its tokens decoded without special tokens>}]``, as verst's runner decodes them."""
+    return completion if isinstance(completion, str) else str(completion[-1]["content"])
 
+
+CHECKED_PROMPTS = 64
+"""Leading training prompts whose TRL token ids are checked against verst's at every start."""
+
+
+def prompt_rows(hp: Hyper, tokenizer: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The training prompts of verst's job, in its order, as TRL rows (and the examples, which row
+    ``row`` numbers) that TRL tokenizes to exactly the ids verst's prompt encoding gives: a text
+    prompt with BOS written out as text, a chat prompt as the messages verst renders."""
+    from bench.e2e_tasks import get_bench_task
+
+    task = get_bench_task(hp.task)
     # one step's prompts more than the run takes: the last step is not also the end of an epoch
-    count = (hp.max_steps + 1) * hp.prompts_per_step
-    examples = get_bench_task(hp.task).train_examples(hp.seed, count)
-    rows = [{"prompt": tokenizer.bos_token + ex.text, "answer": ex.answer} for ex in examples]
-    for row, example in zip(rows[:64], examples, strict=False):
-        ids = tokenizer(text=row["prompt"])["input_ids"]
-        if ids != encode_prompt(tokenizer, example.text):
-            raise RuntimeError(f"TRL's prompt {row['prompt']!r} tokenizes to {ids}, not verst's ids")
-    return rows
+    examples = task.train_examples(hp.seed, (hp.max_steps + 1) * hp.prompts_per_step)
+    if task.builtin:
+        prompts: list[Any] = [tokenizer.bos_token + ex.text for ex in examples]
+    else:
+        prompts = [task.messages(tokenizer, ex) for ex in examples]
+    checked = examples[:CHECKED_PROMPTS]
+    trl_ids = trl_prompt_ids(tokenizer, prompts[: len(checked)])
+    for prompt, ids, example in zip(prompts, trl_ids, checked, strict=False):
+        if ids != task.encode(tokenizer, example):
+            raise RuntimeError(f"TRL's prompt {prompt!r} tokenizes to {ids}, not verst's ids")
+    return [{"prompt": prompt, "row": index} for index, prompt in enumerate(prompts)], examples
+
+
+def trl_prompt_ids(tokenizer: Any, prompts: list[Any]) -> list[list[int]]:
+    """The ids GRPOTrainer generates from (TRL 1.x ``_tokenize_prompts``): a text prompt through the
+    tokenizer, chat messages through ``apply_chat_template`` with the assistant's turn opened."""
+    if not prompts or isinstance(prompts[0], str):
+        return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+    rendered = tokenizer.apply_chat_template(
+        conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return [list(ids) for ids in rendered["input_ids"]]
 
 
 def main(run_dir: Path) -> None:
@@ -175,8 +202,9 @@ def main(run_dir: Path) -> None:
     hp = Hyper(**settings["hyper"])
     torch.set_num_threads(settings["threads"])
     run = Run(side="trl", pair=settings["pair"])
-    rows = prompt_rows(hp, AutoTokenizer.from_pretrained(hp.model_dir))
-    train(hp, run, run_dir, rows, get_bench_task(hp.task).scorer())
+    rows, examples = prompt_rows(hp, AutoTokenizer.from_pretrained(hp.model_dir))
+    score = get_bench_task(hp.task).example_scorer()
+    train(hp, run, run_dir, rows, lambda text, row: score(text, examples[row]))
     write_run(run, run_dir / RUN_FILE)
 
 

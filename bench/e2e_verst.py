@@ -35,8 +35,12 @@ POLL_S = 0.05
 """How often the weights directory is listed (the trainer keeps the newest few versions)."""
 JOB_POLL_S = 1.0
 """How often the job's record is read over REST."""
-STEP_TIMEOUT_S = 120.0
-"""A run fails when no new version appears for this long."""
+STEP_TIMEOUT_S = 300.0
+"""A run fails when no new version appears for this long once v1 is out (a SmolLM2 step takes
+10-20 s on two quiet cores, several times that on busy ones)."""
+START_TIMEOUT_S = 900.0
+"""A run fails when v1 is not out this long after the job's submission: the trainer loading the
+model and publishing v0, the engines loading it, and the first step's warm-up."""
 
 
 def job_spec(hp: Hyper, task: BenchTask, checkpoint_dir: Path, *, max_staleness: int) -> dict[str, Any]:
@@ -45,7 +49,7 @@ def job_spec(hp: Hyper, task: BenchTask, checkpoint_dir: Path, *, max_staleness:
         "name": f"e2e-{task.name}",
         "seed": hp.seed,
         "model": {"path": hp.model_dir, "dtype": "float32"},
-        "data": {"train": task.data, "eval": None},
+        "data": task.data_section(),
         "algorithm": {
             "advantage": "grpo",
             "policy_loss": "ppo_clip",
@@ -159,7 +163,12 @@ def run_verst(
     spec_path = run_dir / "job.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(hp, task, checkpoints, max_staleness=max_staleness)))
     ports = ("api", "router", "engine", "reward", "trainer", "runner", "engine_metrics")
-    config = StackConfig(log_dir=run_dir / "logs", extra_env=dict(env), **{f"{p}_port": 0 for p in ports})
+    config = StackConfig(
+        log_dir=run_dir / "logs",
+        extra_env=dict(env),
+        ready_timeout_s=START_TIMEOUT_S,  # a trainer may first build DeepSpeed's CPU op, slow on busy cores
+        **{f"{p}_port": 0 for p in ports},
+    )
     started = time.monotonic()
     with Stack(config) as stack:
         job_id = submit(stack.api_url, spec_path)["job_id"]
@@ -172,8 +181,9 @@ def run_verst(
             if time.monotonic() - checked > JOB_POLL_S:
                 stack.check_alive()
                 job, checked = get_job(stack.api_url, job_id), time.monotonic()
-            if time.monotonic() - catcher.last_new > STEP_TIMEOUT_S:
-                raise RuntimeError(f"job {job_id}: no new checkpoint in {STEP_TIMEOUT_S:.0f} s")
+            timeout = STEP_TIMEOUT_S if 1 in catcher.times else START_TIMEOUT_S
+            if time.monotonic() - catcher.last_new > timeout:
+                raise RuntimeError(f"job {job_id}: no new checkpoint in {timeout:.0f} s")
             time.sleep(POLL_S)
         catcher.poll()
         load = CpuSample.now("").other_cores_since(load_from) if load_from is not None else float("nan")
