@@ -48,6 +48,8 @@ class StackConfig:
     redis_dir: Path | None = None
     """Persist the embedded Redis here (append-only file); None keeps it in memory."""
     engines: int = 1
+    trainer: bool = True
+    """Start the trainer (False: another process consumes the jobs, as bench/control_plane.py's)."""
     api_port: int = 8000
     router_port: int = 50051
     engine_port: int = 50052
@@ -134,6 +136,7 @@ class Stack:
                   {"VERST_TRAINER_WEIGHT_TRANSPORT_HOST": host, **base, "VERST_TRAINER_PORT": trainer_port},
                   ("grpc", f"{host}:{cfg.trainer_port}")),
         ]  # fmt: skip
+        children = [child for child in children if cfg.trainer or child.name != "trainer"]
         for index in range(cfg.engines):
             port = cfg.engine_port if index == 0 else free_port(host)
             metrics_port = cfg.engine_metrics_port if index == 0 else free_port(host)
