@@ -84,8 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f" of {steps[worst]['step_seconds']:.4f} s)")  # fmt: skip
     span = datetime.fromisoformat(rows[-1]["time"]) - datetime.fromisoformat(rows[0]["time"])
     wall = span.total_seconds() / max(len(rows) - 1, 1)
+    # rows merged into the job record together share one time (a job of a few steps): no wall figure
+    share = f"{saving / len(steps) / wall:.4f}" if wall > 0 else "n/a"
     print(f"wall seconds per step (step 1 to the last): {wall:.3f}; saving per step "
-          f"{saving / len(steps):.4f} s = {saving / len(steps) / wall:.4f} of it")  # fmt: skip
+          f"{saving / len(steps):.4f} s = {share} of it")  # fmt: skip
     per_step = total["bytes_written"] / len(steps)
     print(f"bytes written per step: {per_step:,.0f} (weights {weights:,.0f}: {per_step / weights:.3f}x)")
     return 0
