@@ -162,7 +162,22 @@ def _generate_outcome(result: rollout_pb2.GenerateResult) -> Outcome[rollout_pb2
     return rpc_error(STATUS_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN), result.details)
 
 
-class CoalescingRouter:
+class _CoalescingStub:
+    """A stub whose one batched method is coalesced (``_calls``); its other methods are the stub's own."""
+
+    stub: Any
+    _calls: Coalescer[Any, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "stub" or name.startswith("_"):  # not set up yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.stub, name)
+
+    async def close(self) -> None:
+        await self._calls.close()
+
+
+class CoalescingRouter(_CoalescingStub):
     """The router stub, its Generate calls coalesced into GenerateBatch calls; its other
     methods (GenerateStream, ListEngines...) are the stub's own."""
 
@@ -173,11 +188,6 @@ class CoalescingRouter:
         self._calls = Coalescer[rollout_pb2.GenerateRequest, rollout_pb2.GenerateResponse](
             self._send, window_s=window_s, max_calls=max_calls, name="router Generate"
         )
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "stub" or name.startswith("_"):  # not set up yet: no recursion
-            raise AttributeError(name)
-        return getattr(self.stub, name)
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, timeout: float | None = None
@@ -206,11 +216,8 @@ class CoalescingRouter:
             return [rpc_error(grpc.StatusCode.INTERNAL, details)] * len(requests)
         return [_generate_outcome(result) for result in reply.results]
 
-    async def close(self) -> None:
-        await self._calls.close()
 
-
-class CoalescingReward:
+class CoalescingReward(_CoalescingStub):
     """The reward stub, its ScoreBatch calls coalesced into one ScoreBatch of all their items;
     its other methods are the stub's own."""
 
@@ -219,11 +226,6 @@ class CoalescingReward:
         self._calls = Coalescer[reward_pb2.ScoreBatchRequest, reward_pb2.ScoreBatchResponse](
             self._send, window_s=window_s, max_calls=max_calls, name="reward ScoreBatch"
         )
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "stub" or name.startswith("_"):  # not set up yet: no recursion
-            raise AttributeError(name)
-        return getattr(self.stub, name)
 
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, timeout: float | None = None
@@ -251,6 +253,3 @@ class CoalescingReward:
             results.append(reward_pb2.ScoreBatchResponse(results=reply.results[start:end]))
             start = end
         return results
-
-    async def close(self) -> None:
-        await self._calls.close()
