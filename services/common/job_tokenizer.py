@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -38,3 +39,33 @@ def load_job_tokenizer(spec: JobSpec, handle: common_pb2.CheckpointHandle) -> An
         from transformers import AutoTokenizer  # a slow import, needed only once a job runs
 
         return AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+
+
+def decode_texts(tokenizer: Any, sequences: Sequence[Sequence[int]]) -> list[str]:
+    """Each token id sequence as text without special tokens, as ``tokenizer.decode`` gives it.
+
+    A fast tokenizer whose decode adds no clean-up decodes through its Rust backend directly:
+    ``decode`` first checks every id in Python, which cost more than the decoding (and the
+    backend's ``decode_batch`` costs more than one call per sequence, in its thread pool).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _decodes_plainly(tokenizer) or _cleans_up(tokenizer, backend):
+        return [str(tokenizer.decode(list(ids), skip_special_tokens=True)) for ids in sequences]
+    return [backend.decode(list(ids), skip_special_tokens=True) for ids in sequences]
+
+
+def _decodes_plainly(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s class decodes as transformers' fast tokenizer does (a subclass
+    may add its own steps)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return getattr(type(tokenizer), "_decode", None) is PreTrainedTokenizerFast._decode
+
+
+def _cleans_up(tokenizer: Any, backend: Any) -> bool:
+    """Whether ``tokenizer.decode`` post-processes the backend's text (transformers skips the
+    clean-up for BPE models unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    return type(backend.model).__name__ != "BPE" or bool(getattr(tokenizer, forced, False))

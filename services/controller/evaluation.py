@@ -35,6 +35,7 @@ import grpc
 from services.common.bus import Bus
 from services.common.config import DEFAULT_EVAL_SET, JobSpec
 from services.common.eval_sets import eval_set_sources, metric_prefix, read_eval_set
+from services.common.job_tokenizer import decode_texts
 from services.common.jobs import JobStore
 from services.common.pb import (
     common_pb2,
@@ -236,7 +237,7 @@ class Evaluator:
             sampling = self._sampling(greedy=False)
             completions += await self._generate(f"{first_id}:sampled", prompt, sampling, version)
         ids = [first_id] + [f"{first_id}:sampled:{j}" for j in range(samples)]
-        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+        texts = decode_texts(tokenizer, [c.token_ids for c in completions])
         scores = await self._score(first_id, eval_set.examples[index], prompt, ids, completions, texts)
         failed = [bool(s.error or c.error) for s, c in zip(scores, completions, strict=True)]
         rewards = [0.0 if bad else s.reward for s, bad in zip(scores, failed, strict=True)]

@@ -36,6 +36,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from services.common.config import RolloutConfig
+from services.common.job_tokenizer import decode_texts
 from services.common.pb import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 from services.runner.batching import CoalescingReward, CoalescingRouter
 
@@ -216,7 +217,7 @@ async def finish_group(
     times: generated and scored; the runner adds the others)."""
     generated = time.time()
     completions = [sample.completion for sample in samples]
-    texts = [clients.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+    texts = decode_texts(clients.tokenizer, [c.token_ids for c in completions])
     scores = await _score(task, samples, texts, clients)
     stages = common_pb2.StageTimes(generated=generated, scored=time.time())
     trajectories = [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]

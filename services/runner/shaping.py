@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import RewardShapingConfig
+from services.common.job_tokenizer import decode_texts
 from services.common.pb import common_pb2
 from services.common.plugins import PluginError
 from services.common.shaping import (
@@ -75,9 +76,7 @@ def shape_rewards(
         return
     texts: tuple[str, ...] = ()
     if any(shaping.entry.needs_texts for shaping in shapings):  # decoding costs: only on request
-        texts = tuple(
-            str(tokenizer.decode(list(t.response_token_ids), skip_special_tokens=True)) for t in ordered
-        )
+        texts = tuple(decode_texts(tokenizer, [t.response_token_ids for t in ordered]))
     rewards = tuple(t.reward for t in ordered)
     for shaping in shapings:
         group = ShapingGroup(
