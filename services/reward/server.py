@@ -13,8 +13,11 @@ gRPC deadline comes sooner (so the answer arrives while the caller still waits).
 
 Verifiers and sync plugins run on a thread pool (they are plain functions and may be
 slow or blocking). Python cannot interrupt a thread, so one past its deadline keeps its
-worker until it returns; the caller has its answer by then. The ``math`` and ``code``
-verifiers bound their own work in processes they can kill.
+worker until it returns; the caller has its answer by then. A batch's items for a quick
+verifier (a trait of the registry's entries: microseconds of pure Python) run one after
+another in one pool job, whose deadline is the batch's: at the deadline the items done keep
+their scores, the one running times out, and those not started are scored one by one. The
+``math`` and ``code`` verifiers bound their own work in processes they can kill.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,7 +36,13 @@ from services.common.settings import load_settings
 from services.reward import tools
 from services.reward.config import RewardSettings
 from services.reward.plugins import PluginError, PluginResultError, Plugins, is_plugin
-from services.reward.verifiers import Verifier, VerifierOptions, VerifierResult, builtin_verifiers
+from services.reward.verifiers import (
+    Verifier,
+    VerifierOptions,
+    VerifierResult,
+    builtin_verifiers,
+    quick_verifiers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +94,19 @@ def verifier_options(settings: RewardSettings) -> VerifierOptions:
 class RewardServicer(reward_pb2_grpc.RewardServicer):
     """Scores responses with the verifier or plugin each request names (or the default one).
 
-    ``verifiers`` defaults to the built-in registry configured by ``settings``.
+    ``verifiers`` defaults to the built-in registry configured by ``settings``; ``quick`` names
+    those whose checks take microseconds (by default the registry's ``quick`` ones).
     """
 
-    def __init__(self, settings: RewardSettings, verifiers: Mapping[str, Verifier] | None = None) -> None:
+    def __init__(
+        self,
+        settings: RewardSettings,
+        verifiers: Mapping[str, Verifier] | None = None,
+        quick: frozenset[str] | None = None,
+    ) -> None:
         if verifiers is None:
             verifiers = builtin_verifiers(verifier_options(settings))
+        self._quick = quick_verifiers() if quick is None else quick
         if settings.default_verifier not in verifiers and not is_plugin(settings.default_verifier):
             raise ValueError(f"default verifier {settings.default_verifier!r} is not registered")
         self._verifiers = dict(verifiers)
@@ -108,10 +125,70 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreBatchResponse:
+        items = list(request.items)
+        results: list[reward_pb2.ScoreResponse | None] = [None] * len(items)
+        together = [i for i, item in enumerate(items) if (item.verifier or self._default) in self._quick]
+        if len(together) > 1:
+            await self._score_together(items, together, results, self._deadline_s(context))
+        rest = [i for i, result in enumerate(results) if result is None]
         timeout_s = self._deadline_s(context)
         # gather keeps the request's order whatever order the items finish in.
-        results = await asyncio.gather(*(self.score(item, timeout_s) for item in request.items))
+        scored = await asyncio.gather(*(self.score(items[i], timeout_s) for i in rest))
+        for i, result in zip(rest, scored, strict=True):
+            results[i] = result
         return reward_pb2.ScoreBatchResponse(results=results)
+
+    async def _score_together(
+        self,
+        items: list[reward_pb2.ScoreRequest],
+        indices: list[int],
+        results: list[reward_pb2.ScoreResponse | None],
+        timeout_s: float,
+    ) -> None:
+        """Score these items (of quick verifiers) one after another in one pool job within
+        ``timeout_s``: the items done fill ``results``, the one running at the deadline gets a
+        timeout, and those not started are left None."""
+        outcomes: list[VerifierResult | Exception] = []
+        stop = threading.Event()
+
+        def run() -> None:
+            for i in indices:
+                if stop.is_set():
+                    return
+                item = items[i]
+                verifier = self._verifiers[item.verifier or self._default]
+                try:
+                    outcomes.append(verifier(item.response_text, item.answer, dict(item.metadata)))
+                except Exception as err:  # the item's failure, not the batch's
+                    outcomes.append(err)
+
+        job = asyncio.get_running_loop().run_in_executor(self._executor, run)
+        timed_out = False
+        try:
+            await asyncio.wait_for(job, timeout_s)
+        except TimeoutError:
+            stop.set()
+            timed_out = True
+        done = list(outcomes)  # the job may still append the item it was running
+        for i, outcome in zip(indices, done, strict=False):
+            results[i] = self._response(items[i], outcome, timeout_s)
+        if timed_out and len(done) < len(indices):
+            results[indices[len(done)]] = self._response(items[indices[len(done)]], TimeoutError(), timeout_s)
+
+    def _response(
+        self, request: reward_pb2.ScoreRequest, outcome: VerifierResult | Exception, timeout_s: float
+    ) -> reward_pb2.ScoreResponse:
+        """The response for a verifier's result, or for its failure (logged)."""
+        name = request.verifier or self._default
+        what = f"plugin {name!r}" if is_plugin(name) else f"verifier {name!r}"
+        if not isinstance(outcome, Exception):
+            try:
+                return to_response(outcome)
+            except VerifierOutputError as err:
+                outcome = err
+        message = failure_message(what, outcome, timeout_s)
+        log.warning("trajectory %r: %s", request.trajectory_id, message)
+        return error_response(message)
 
     async def CheckVerifier(
         self, request: reward_pb2.CheckVerifierRequest, context: grpc.aio.ServicerContext
@@ -151,28 +228,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         becomes a response with ``error`` set."""
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         name = request.verifier or self._default
-        plugin = is_plugin(name)
-        what = f"plugin {name!r}" if plugin else f"verifier {name!r}"
         try:
-            if plugin:
+            if is_plugin(name):
                 result = await self._plugins.score(name, request, timeout_s)
             else:
                 result = await self._verify(name, request, timeout_s)
-            return to_response(result)
-        except UnknownVerifierError as err:
-            message = str(err)
-        except TimeoutError as err:  # the item's deadline, or a verifier's own (which says more)
-            message = (
-                f"{what} timed out: {err}" if str(err) else f"{what} did not finish within {timeout_s:.3g}s"
-            )
-        except (VerifierOutputError, PluginResultError) as err:
-            message = f"{what} returned a malformed result: {err}"
-        except PluginError as err:
-            message = f"{what} cannot be used: {err}"
         except Exception as err:  # a verifier's bug must not fail the call or the batch
-            message = f"{what} failed: {type(err).__name__}: {err}"
-        log.warning("trajectory %r: %s", request.trajectory_id, message)
-        return error_response(message)
+            return self._response(request, err, timeout_s)
+        return self._response(request, result, timeout_s)
 
     async def _verify(self, name: str, request: reward_pb2.ScoreRequest, timeout_s: float) -> VerifierResult:
         verifier = self._verifiers.get(name)
@@ -190,6 +253,19 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
 class UnknownVerifierError(LookupError):
     """A request named a verifier that is not registered."""
+
+
+def failure_message(what: str, err: Exception, timeout_s: float) -> str:
+    """Why ``what`` (a verifier or plugin, named) gave no score, as the response's ``error``."""
+    if isinstance(err, UnknownVerifierError):
+        return str(err)
+    if isinstance(err, TimeoutError):  # the item's deadline, or a verifier's own (which says more)
+        return f"{what} timed out: {err}" if str(err) else f"{what} did not finish within {timeout_s:.3g}s"
+    if isinstance(err, (VerifierOutputError, PluginResultError)):
+        return f"{what} returned a malformed result: {err}"
+    if isinstance(err, PluginError):
+        return f"{what} cannot be used: {err}"
+    return f"{what} failed: {type(err).__name__}: {err}"
 
 
 def register(server: grpc.aio.Server, settings: RewardSettings | None = None) -> list[str]:

@@ -60,6 +60,9 @@ class VerifierEntry(Entry[Callable[..., Any]]):
 
     configurable: bool = False
     """``fn(options)`` makes the verifier, so its settings come from the service."""
+    quick: bool = False
+    """A pure-Python check of microseconds: a batch's items run one after another in one
+    pool job rather than one thread hop each (which cost more than the check)."""
 
     def build(self, options: VerifierOptions) -> Verifier:
         """The verifier, configured by ``options`` when it is configurable."""
@@ -72,7 +75,7 @@ VERIFIER_REGISTRY: Registry[VerifierEntry] = Registry(
 """Every built-in verifier by the name a ScoreRequest (``reward.verifier``) uses."""
 
 
-@VERIFIER_REGISTRY.register("exact_match")
+@VERIFIER_REGISTRY.register("exact_match", quick=True)
 def exact_match(response_text: str, answer: str, metadata: Mapping[str, str]) -> VerifierResult:
     """Reward 1.0 iff the response equals the answer, both stripped of surrounding whitespace."""
     response = response_text.strip()
@@ -145,7 +148,7 @@ class VerifierOptions:
     """``code``: how its sandboxes are made."""
 
 
-@VERIFIER_REGISTRY.register("numeric", configurable=True)
+@VERIFIER_REGISTRY.register("numeric", configurable=True, quick=True)
 def make_numeric_verifier(options: VerifierOptions) -> Verifier:
     """The ``numeric`` verifier with the service's tolerances."""
     return NumericVerifier(options.numeric_rel_tol, options.numeric_abs_tol)
@@ -173,9 +176,9 @@ def _register_tasks() -> None:
     reads the episode's metadata (``task_verifiers.py``) takes the place of the generic one."""
     for task in TASKS.values():
         if task.verifier not in TASK_VERIFIERS:
-            VERIFIER_REGISTRY.register(task.verifier)(task_verifier(task))
+            VERIFIER_REGISTRY.register(task.verifier, quick=True)(task_verifier(task))
     for name, verify in TASK_VERIFIERS.items():
-        VERIFIER_REGISTRY.register(name)(verify)
+        VERIFIER_REGISTRY.register(name, quick=True)(verify)
 
 
 _register_tasks()
@@ -186,6 +189,11 @@ def builtin_verifiers(options: VerifierOptions | None = None) -> dict[str, Verif
     processes and ``code`` its sandboxes on first use."""
     options = options if options is not None else VerifierOptions()
     return {entry.name: entry.build(options) for entry in VERIFIER_REGISTRY}
+
+
+def quick_verifiers() -> frozenset[str]:
+    """The names of the built-in verifiers whose checks take microseconds (``quick``)."""
+    return frozenset(entry.name for entry in VERIFIER_REGISTRY if entry.quick)
 
 
 VERIFIERS: Mapping[str, Verifier] = builtin_verifiers()
