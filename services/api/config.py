@@ -26,6 +26,12 @@ class ApiSettings(RolloutClientSettings):
     job drivers' blocking reads cannot use up."""
     request_timeout_s: float = Field(5.0, gt=0.0, le=300.0)
     """How long a request waits for a free connection and for each Redis reply before it is a 503."""
+    event_connections: int = Field(64, ge=1, le=10_000)
+    """Redis connections the event streams (GET /v1/jobs/{id}/events) share, a pool of their own: each
+    holds one while it waits for the next event (a second at most); more streams wait their turn."""
+    events_heartbeat_s: float = Field(15.0, ge=1.0, le=3600.0)
+    """An event stream sends a comment line after this long without an event, so that clients and
+    proxies see it alive."""
     metrics_refresh_s: float = Field(1.0, ge=0.0, le=300.0)
     """/metrics reads the job gauges from the store at most this often (scrapes in between get the
     last reading)."""

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
 from services.api.config import ApiSettings
+from services.api.events import add_events_route, event_client
 from services.api.exports import add_export_route
 from services.api.guard import error_responses, guard
 from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
@@ -29,6 +30,7 @@ from services.api.spec_checks import SpecChecker
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, connect
 from services.common.config import JobSpec
+from services.common.events import EventLog
 from services.common.jobs import CANCELLED, JobBrief, JobNotFoundError, JobRecord, JobStore, MetricRow
 from services.common.settings import load_settings, require_redis_url
 from services.controller.config import ControllerSettings
@@ -169,14 +171,16 @@ def create_app(
         url = require_redis_url(settings)
         bus = Bus(connect(url, outage_s=settings.redis_outage_s))
         requests = request_client(url, settings)
-        app.state.store = JobStore(requests)
+        app.state.store = JobStore(requests, events_maxlen=settings.events_maxlen)
         app.state.metrics = ApiMetrics(settings.metrics_refresh_s)
         app.state.controller = None
-        stop = asyncio.Event()
+        app.state.event_log = EventLog(event_client(url, settings), maxlen=settings.events_maxlen)
+        app.state.stopping = stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []
         if settings.controller:
             driving = controller or load_settings(ControllerSettings)
-            app.state.controller = Controller(bus, JobStore(bus.redis), driving, ControllerMetrics())
+            store = JobStore(bus.redis, events_maxlen=settings.events_maxlen)
+            app.state.controller = Controller(bus, store, driving, ControllerMetrics())
             tasks.append(asyncio.create_task(app.state.controller.run(stop), name="controller"))
         app.state.health = health = Health(requests, settings, app.state.controller)
         await health.check()
@@ -195,6 +199,7 @@ def create_app(
                 await task
             await bus.close()
             await requests.aclose()
+            await app.state.event_log.redis.aclose()
 
     app = FastAPI(
         title="verst",
@@ -207,6 +212,7 @@ def create_app(
     app.add_exception_handler(RedisError, RedisErrorHandler())
     _add_job_routes(app, settings)
     add_export_route(app, settings)
+    add_events_route(app, settings)
     _add_ops_routes(app, settings)
     return app
 

@@ -2,7 +2,9 @@
 and changes job records in one atomic step, or reads many in one round trip."""
 
 # Applies a state change unless the job is missing (-1), finished (0), or the change would
-# send it back to QUEUED (0). Atomic, so a cancel and a success cannot both win.
+# send it back to QUEUED (0). Atomic, so a cancel and a success cannot both win; the change's
+# JobEvent goes on the job's event log (KEYS[3]) in the same step: ARGV[6] is its MAXLEN, ARGV[7..]
+# its fields and values (services/common/events.py).
 SET_STATE = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return -1 end
@@ -12,6 +14,7 @@ end
 if ARGV[1] == 'JOB_STATE_QUEUED' and state ~= 'JOB_STATE_QUEUED' then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
 if ARGV[4] == '1' then redis.call('SREM', KEYS[2], ARGV[5]) end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', unpack(ARGV, 7))
 return 1
 """
 

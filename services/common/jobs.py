@@ -21,6 +21,8 @@ Keys (besides the streams of services/common/streams.py):
 Only the api (and its controller) writes here; everyone may read, through this
 module: no other code spells these keys or parses a JobSpec's JSON. Terminal
 states are final: the state changes are checked and applied atomically in Redis.
+Each state change and each merged metric row is logged on the job's event log
+(services/common/events.py) in the same atomic step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import redis.asyncio as aioredis
 from services.common import job_scripts
 from services.common.bus import DEFAULT_MAXLEN, encode
 from services.common.config import JobSpec, JobSpecError, parse_job_spec
+from services.common.events import DEFAULT_EVENTS_MAXLEN, EventLog, metrics_event, state_event
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JOB_INDEX, JOBS, PREFIX, JobStreams, job_key
 
@@ -203,9 +206,16 @@ class MetricRow:
 class JobStore:
     """Create, read and advance job records. ``redis`` is a client from ``bus.connect``."""
 
-    def __init__(self, redis: aioredis.Redis, *, history_limit: int = HISTORY_LIMIT) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        history_limit: int = HISTORY_LIMIT,
+        events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+    ) -> None:
         self.redis = redis
         self.history_limit = history_limit
+        self.events = EventLog(redis, maxlen=events_maxlen)
         self._set_state = redis.register_script(job_scripts.SET_STATE)
         self._progress = redis.register_script(job_scripts.PROGRESS)
         self._count_dropped = redis.register_script(job_scripts.COUNT_DROPPED)
@@ -237,6 +247,7 @@ class JobStore:
         pipe.zadd(JOB_INDEX, {job_id: now})
         pipe.sadd(ACTIVE_JOBS, job_id)
         pipe.xadd(JOBS, encode(message), maxlen=DEFAULT_MAXLEN)
+        self.events.add(pipe, state_event(job_id, QUEUED, "", now))
         await pipe.execute()
         return await self.get(job_id)
 
@@ -342,8 +353,11 @@ class JobStore:
         if state not in JOB_STATES:
             raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
         terminal = "1" if state in TERMINAL_STATES else "0"
-        keys = [job_key(job_id), ACTIVE_JOBS]
-        applied = await self._set_state(keys=keys, args=[state, reason, repr(time.time()), terminal, job_id])
+        now = time.time()
+        events_key, event_args = self.events.script_args(state_event(job_id, state, reason, now))
+        keys = [job_key(job_id), ACTIVE_JOBS, events_key]
+        args = [state, reason, repr(now), terminal, job_id, *event_args]
+        applied = await self._set_state(keys=keys, args=args)
         if applied == -1:
             raise JobNotFoundError(job_id)
         return applied == 1
@@ -426,6 +440,12 @@ class JobStore:
             pipe.hset(key, mapping={"metrics_json": json.dumps(latest), "updated_at": updated})
             pipe.rpush(history, *(row.to_json() for row in rows))
             pipe.ltrim(history, -self.history_limit, -1)
+            for row in rows:  # logged with the merge: each row once
+                event = metrics_event(
+                    job_id, source=row.source, step=row.step, policy_version=row.policy_version,
+                    values=row.values, at=row.time,
+                )  # fmt: skip
+                self.events.add(pipe, event)
             if acked:
                 pipe.xack(JobStreams(job_id).metrics, CONTROLLER_GROUP, *acked)
 

@@ -172,6 +172,13 @@ def _dead_letter(letter: common_pb2.DeadLetter, stream_job: str | None) -> str |
     return None
 
 
+@_check(common_pb2.JobEvent)
+def _job_event(event: common_pb2.JobEvent, stream_job: str | None) -> str | None:
+    if event.WhichOneof("event") is None:
+        return "carries no event"
+    return _job_problem(event.job_id, stream_job)
+
+
 @_check(common_pb2.JobSubmission)
 def _job_submission(submission: common_pb2.JobSubmission, stream_job: str | None) -> str | None:
     return None if submission.job_id else "no job_id"

@@ -2,7 +2,8 @@
 
 Each service subclasses ``ServiceSettings`` with its own prefix
 (``VERST_ROUTER_PORT``, ``VERST_REWARD_PORT``, ...). ``REDIS_URL``,
-``VERST_REDIS_OUTAGE_S`` and ``VERST_LOG_LEVEL`` are shared by all. compose/ uses exactly these names.
+``VERST_REDIS_OUTAGE_S``, ``VERST_LOG_LEVEL`` and ``VERST_EVENTS_MAXLEN`` are shared by all.
+compose/ uses exactly these names.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import ClassVar, TypeVar
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.events import DEFAULT_EVENTS_MAXLEN
 from services.common.outage import DEFAULT_OUTAGE_S
 
 S = TypeVar("S", bound="ServiceSettings")
@@ -41,6 +43,10 @@ class ServiceSettings(BaseSettings):
     """Log level: DEBUG, INFO, WARNING or ERROR."""
     shutdown_grace_s: float = Field(5.0, ge=0.0, le=600.0)
     """Seconds that in-flight calls get to finish after SIGTERM."""
+    events_maxlen: int = Field(
+        DEFAULT_EVENTS_MAXLEN, ge=100, le=10_000_000, validation_alias=AliasChoices("VERST_EVENTS_MAXLEN")
+    )
+    """Events kept per job (its event log, GET /v1/jobs/{id}/events), about: the oldest are trimmed."""
 
     @classmethod
     def env_name(cls, field: str) -> str:

@@ -77,8 +77,14 @@ class JobStreams:
         """DeadLetters: entries of this job that could not be processed."""
         return self._key("dead")
 
+    @property
+    def events(self) -> str:
+        """JobEvents: the job's event log (services/common/events.py), read by no consumer group
+        (so not among ``every``, whose consumed entries housekeeping trims)."""
+        return self._key("events")
+
     def every(self) -> tuple[str, ...]:
-        """All the job's streams."""
+        """All the job's consumed streams (the event log is not one)."""
         return (
             self.prompts,
             self.trajectories,

@@ -48,6 +48,7 @@ from typing import Any
 
 from services.common.bus import Bus, Delivery, metric_message
 from services.common.consumer import StreamConsumer
+from services.common.events import dead_letter_event
 from services.common.housekeeping import tend_job, tidy_ended_job
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import (
@@ -131,6 +132,7 @@ class JobDriver:
         self.resumed = record.state == RUNNING
         self.tokenizer: Any = None
         self.evals = JobEvals(deps.bus, deps.stubs, deps.settings, deps.metrics, record.job_id, record.spec)
+        self.evals.events = deps.store.events
         self._first_handle: asyncio.Future[common_pb2.CheckpointHandle] = loop.create_future()
         self._trainer_done: asyncio.Future[common_pb2.JobStatus] = loop.create_future()
         """The trainer's SUCCEEDED status."""
@@ -332,6 +334,7 @@ class JobDriver:
         count) so that it is replaced; fail the job when the same failure keeps coming."""
         letter = delivery.message
         log.warning("%s: dead letter from %s: %s", self.job_id, letter.source_stream, letter.reason)
+        await self.store.events.append(dead_letter_event(self.job_id, letter))
         repeated = self._failures.add(letter)
         if repeated:
             self._fail(repeated)

@@ -35,6 +35,7 @@ import grpc
 from services.common.bus import Bus
 from services.common.config import DEFAULT_EVAL_SET, JobSpec
 from services.common.eval_sets import eval_set_sources, metric_prefix, read_eval_set
+from services.common.events import EventLog, warning_event
 from services.common.job_tokenizer import decode_texts
 from services.common.jobs import JobStore
 from services.common.pb import (
@@ -395,6 +396,8 @@ class JobEvals:
         self._running: asyncio.Future[str] | None = None
         """The periodic evaluation in flight, if any."""
         self._closing = False
+        self.events: EventLog | None = None
+        """The job's event log, where what went wrong is told (set by the driver); None: logged only."""
 
     def due(self, version: int) -> None:
         """``version`` is due for its periodic evaluation (``run`` makes it)."""
@@ -440,10 +443,13 @@ class JobEvals:
             version = self._due.get_nowait()
             if not any(version <= done for done in self.done):
                 self.metrics.evaluations.labels(outcome="missed").inc()
-                log.warning(
-                    "%s: the evaluation due at version %d did not run before training ended",
-                    self.job_id, version,
-                )  # fmt: skip
+                await self._warn(f"the evaluation due at version {version} did not run before training ended")
+
+    async def _warn(self, text: str) -> None:
+        """Log ``text`` and tell it on the job's event log."""
+        log.warning("%s: %s", self.job_id, text)
+        if self.events is not None:
+            await self.events.append(warning_event(self.job_id, text))
 
     def _covered(self, due: int, version: int) -> None:
         """The evaluation due at ``due`` is that of ``version``, made already (for an earlier due,
@@ -473,7 +479,7 @@ class JobEvals:
             result = await evaluator.evaluate(version, self.sets, self.tokenizer, served=served)
         except EvalError as err:
             self.metrics.evaluations.labels(outcome="failed").inc()
-            log.error("%s: evaluation of version %d lost: %s", self.job_id, version, err)
+            await self._warn(f"evaluation of version {version} lost: {err}")
             return str(err)
         finally:
             self.metrics.evaluation_retries.inc(evaluator.retries)

@@ -31,7 +31,8 @@ async def drive_jobs(settings: ControllerSettings, redis_url: str, stop: asyncio
         with serving_metrics(
             metrics.registry, settings.host, settings.metrics_port, enabled=True, setting=port_setting
         ):
-            await Controller(bus, JobStore(bus.redis), settings, metrics).run(stop)
+            store = JobStore(bus.redis, events_maxlen=settings.events_maxlen)
+            await Controller(bus, store, settings, metrics).run(stop)
     finally:
         await bus.close()
 

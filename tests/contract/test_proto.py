@@ -103,7 +103,9 @@ def fill(message: Message, depth: int = 0) -> Message:
 def test_every_message_round_trips(cls: type[Message]) -> None:
     original = fill(cls())
     unset = [f.name for f in cls.DESCRIPTOR.fields if not f.is_repeated and f.has_presence
-             and not original.HasField(f.name)]  # fmt: skip
+             and not original.HasField(f.name)
+             and not (f.containing_oneof and original.WhichOneof(f.containing_oneof.name))]  # fmt: skip
+    # a oneof holds one member: the filler's last (each member's type is round-tripped on its own)
     assert not unset, f"filler left fields unset: {unset}"
     wire = original.SerializeToString()
     parsed = cls.FromString(wire)

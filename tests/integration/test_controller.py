@@ -525,3 +525,6 @@ async def test_a_rejected_prompt_task_is_replaced_and_the_job_runs_on(
     record = await trainer.store.get(trainer.job_id)
     assert (record.state, record.dropped_groups, record.issued_extra) == (RUNNING, 1, 1)
     assert await bus.pending_count(streams.dead, CONTROLLER_GROUP) == 0
+    # the job's event log tells of it, without the entry's bytes
+    [letter] = [e for e in await trainer.store.events.read(trainer.job_id) if e.kind == "dead_letter"]
+    assert letter.data()["reason"] == reason and letter.message.dead_letter.payload == b""

@@ -1,12 +1,24 @@
 """Which periodic evaluations are covered (services/controller/evaluation.dues_without_result): an
 evaluation made for due u of version v covers the dues u..v; a row without its due, its interval.
-And the metric row of one evaluation: each set's names, and the versions that served it."""
+And the metric row of one evaluation: each set's names, and the versions that served it; and a
+due evaluation that never ran, told on the job's event log."""
 
 from __future__ import annotations
 
-from services.common.config import DEFAULT_EVAL_SET
+from services.common.bus import Bus
+from services.common.config import DEFAULT_EVAL_SET, JobSpec
+from services.common.events import EventLog
+from services.controller.config import ControllerSettings
 from services.controller.eval_scores import PromptOutcome, set_scores
-from services.controller.evaluation import SERVED_VERSION, SERVED_VERSION_MAX, EvalResult, dues_without_result
+from services.controller.evaluation import (
+    SERVED_VERSION,
+    SERVED_VERSION_MAX,
+    EvalResult,
+    JobEvals,
+    dues_without_result,
+)
+from services.controller.stubs import ServiceStubs
+from services.controller.telemetry import ControllerMetrics
 
 
 def test_an_evaluation_covers_the_dues_from_its_own_to_its_version() -> None:
@@ -37,3 +49,17 @@ def test_a_result_names_each_sets_metrics_and_the_versions_that_served_it() -> N
     assert (values["hard/accuracy"], values["hard/mean@2"], values["hard/pass@2"]) == (1.0, 0.5, 1.0)
     assert (values[SERVED_VERSION], values[SERVED_VERSION_MAX]) == (4.0, 5.0)
     assert "mean@2" not in values and "hard/reward_mean" in values
+
+
+async def test_an_evaluation_that_never_ran_is_a_warning_on_the_jobs_event_log(bus: Bus) -> None:
+    spec = JobSpec.model_validate({"name": "addition"})
+    stubs = ServiceStubs("127.0.0.1:9", "127.0.0.1:9")  # never called: nothing runs
+    evals = JobEvals(bus, stubs, ControllerSettings(), ControllerMetrics(), "job-1", spec)
+    evals.events = EventLog(bus.redis)
+    evals.done.add(2)
+    evals.due(2)  # covered by the evaluation of version 2: nothing to say
+    evals.due(4)
+    await evals.close()
+    await stubs.close()
+    [event] = await evals.events.read("job-1")
+    assert event.data()["message"] == "the evaluation due at version 4 did not run before training ended"

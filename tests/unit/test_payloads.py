@@ -27,6 +27,7 @@ GOOD: list[tuple[Message, str]] = [
     (common_pb2.Metric(job_id="job-1", source="trainer", values={"loss": 0.5}), STREAMS.metrics),
     (common_pb2.DeadLetter(source_stream=STREAMS.prompts, reason="r"), STREAMS.dead),
     (common_pb2.JobSubmission(job_id="job-1", spec_json="{}"), JOBS),
+    (common_pb2.JobEvent(job_id="job-1", warning="w"), STREAMS.events),
 ]
 
 
@@ -75,6 +76,12 @@ def test_every_stream_payload_type_has_a_check() -> None:
             "source stream 'verst:job:job-2:prompts' is not a stream of job 'job-1'",
         ),
         (common_pb2.JobSubmission(spec_json="{}"), JOBS, "no job_id"),
+        (common_pb2.JobEvent(job_id="job-1"), STREAMS.events, "carries no event"),
+        (
+            common_pb2.JobEvent(job_id="job-2", warning="w"),
+            STREAMS.events,
+            "job_id 'job-2' is not the stream's job 'job-1'",
+        ),
     ],
 )
 def test_a_bad_payload_is_named(message: Message, stream: str, problem: str) -> None:

@@ -389,6 +389,32 @@ class DeadLetter(_message.Message):
     no_replacement: bool
     def __init__(self, source_stream: _Optional[str] = ..., entry_id: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., delivery_count: _Optional[int] = ..., dead_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., no_replacement: _Optional[bool] = ...) -> None: ...
 
+class JobStateChange(_message.Message):
+    __slots__ = ("state", "reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    reason: str
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job_id", "time", "state", "metrics", "evaluation", "warning", "dead_letter")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    time: _timestamp_pb2.Timestamp
+    state: JobStateChange
+    metrics: Metric
+    evaluation: Metric
+    warning: str
+    dead_letter: DeadLetter
+    def __init__(self, job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[JobStateChange, _Mapping]] = ..., metrics: _Optional[_Union[Metric, _Mapping]] = ..., evaluation: _Optional[_Union[Metric, _Mapping]] = ..., warning: _Optional[str] = ..., dead_letter: _Optional[_Union[DeadLetter, _Mapping]] = ...) -> None: ...
+
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "address", "backend", "model", "policy_version", "state", "running_requests", "queued_requests", "outstanding_tokens", "last_heartbeat", "job_id", "weight_transports", "decode_path", "decode_path_reason")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
