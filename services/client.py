@@ -1,6 +1,8 @@
 """A small REST client of the api, shared by the `verst` command and `verst demo`.
 
 When ``VERST_API_TOKEN`` is set, every request carries it as ``Authorization: Bearer <token>``.
+An answer other than success raises ``ApiError``, whose message is one line for a person; a
+transport failure (no api there) is httpx's ``TransportError``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,59 @@ import httpx
 
 from services.common.config import load_job_spec
 from services.common.jobs import TERMINAL_STATES
+from services.common.spec_paths import absolute_paths
 
 EXPORT_TIMEOUT_S = 3600.0
 """An export merges and writes a whole model: minutes for a large one."""
 
-__all__ = ["TERMINAL_STATES", "auth_headers", "export_job", "get_job", "job_history", "list_jobs", "submit"]
+__all__ = [
+    "TERMINAL_STATES",
+    "ApiError",
+    "auth_headers",
+    "cancel_job",
+    "export_job",
+    "get_job",
+    "job_history",
+    "list_jobs",
+    "submit",
+]
+
+
+class ApiError(Exception):
+    """The api answered with an error; ``str()`` is one line saying what went wrong."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _problems(detail: list[Any]) -> str:
+    """FastAPI's validation errors as `field.path: message; …` (the body's fields, unprefixed)."""
+    parts = []
+    for error in detail:
+        loc = [str(part) for part in error.get("loc", [])]
+        where = ".".join(loc[1:] if loc[:1] == ["body"] else loc) or "(body)"
+        parts.append(f"{where}: {error.get('msg', error)}")
+    return "; ".join(parts)
+
+
+def _checked(response: httpx.Response, what: str) -> Any:
+    """The JSON of a successful answer; else an ApiError naming ``what`` was asked, and why."""
+    if response.is_success:
+        return response.json()
+    code = response.status_code
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:  # not JSON: a proxy's page, say
+        detail = response.text.strip().splitlines()[0] if response.text.strip() else response.reason_phrase
+    if code == 401:
+        wanted = "the api wants a token: set VERST_API_TOKEN"
+        message = "the api refused VERST_API_TOKEN" if auth_headers() else wanted
+    elif code == 422 and isinstance(detail, list):
+        message = f"the api refused the spec: {_problems(detail)}"
+    else:
+        message = str(detail)
+    raise ApiError(code, f"{what}: {message} (HTTP {code})")
 
 
 def auth_headers() -> dict[str, str]:
@@ -27,32 +77,31 @@ def auth_headers() -> dict[str, str]:
 
 
 def submit(api: str, spec_path: Path) -> dict[str, Any]:
-    """Validate a spec locally (errors name the field), then POST it to the api."""
-    spec = load_job_spec(spec_path)
+    """Validate a spec locally (errors name the field), make its relative paths absolute against
+    the current directory (services/common/spec_paths.py), then POST it to the api."""
+    spec = absolute_paths(load_job_spec(spec_path))
     response = httpx.post(
         f"{api}/v1/jobs", json=spec.model_dump(mode="json"), headers=auth_headers(), timeout=30
     )
-    if response.status_code != 201:
-        raise SystemExit(f"verst submit: {response.status_code} {response.text}")
-    return response.json()
+    return _checked(response, f"submitting {spec_path}")
 
 
 def get_job(api: str, job_id: str) -> dict[str, Any]:
-    """One job's record; exits with a clear message when there is no such job."""
+    """One job's record."""
     response = httpx.get(f"{api}/v1/jobs/{job_id}", headers=auth_headers(), timeout=10)
-    if response.status_code == 404:
-        raise SystemExit(f"verst: no job {job_id!r}")
-    if response.status_code == 401:
-        raise SystemExit("verst: the api wants a token: set VERST_API_TOKEN")
-    response.raise_for_status()
-    return response.json()
+    return _checked(response, f"job {job_id}")
+
+
+def cancel_job(api: str, job_id: str) -> dict[str, Any]:
+    """Cancel a queued or running job; its record after. A finished job is an ApiError (409)."""
+    response = httpx.post(f"{api}/v1/jobs/{job_id}/cancel", headers=auth_headers(), timeout=10)
+    return _checked(response, f"cancelling {job_id}")
 
 
 def list_jobs(api: str) -> list[dict[str, Any]]:
     """The newest jobs, newest first."""
     response = httpx.get(f"{api}/v1/jobs", headers=auth_headers(), timeout=10)
-    response.raise_for_status()
-    jobs = response.json()
+    jobs = _checked(response, "listing jobs")
     return jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
 
 
@@ -60,18 +109,15 @@ def export_job(
     api: str, job_id: str, out_dir: str, *, version: int | None = None, merge: bool = True
 ) -> dict[str, Any]:
     """Ask the api to write a saved version of the job to ``out_dir`` on its host (POST
-    /v1/jobs/{id}/export); exits with the api's reason when it refuses."""
+    /v1/jobs/{id}/export); an ApiError with its reason when it refuses."""
     body = {"out_dir": out_dir, "version": version, "merge": merge}
     response = httpx.post(
         f"{api}/v1/jobs/{job_id}/export", json=body, headers=auth_headers(), timeout=EXPORT_TIMEOUT_S
     )
-    if response.status_code != 200:
-        raise SystemExit(f"verst export: {response.status_code} {response.text}")
-    return response.json()
+    return _checked(response, f"exporting {job_id}")
 
 
 def job_history(api: str, job_id: str) -> list[dict[str, Any]]:
     """Per-step metric points, oldest first: {"step", "policy_version", "source", "values", "time"}."""
     response = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", headers=auth_headers(), timeout=10)
-    response.raise_for_status()
-    return response.json()["points"]
+    return _checked(response, f"metrics of {job_id}")["points"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from datetime import datetime
@@ -92,7 +93,9 @@ def prepare_model(model_path: str) -> None:
     print(f"base model {model_path}: {resolve_model_path(model_path)}", flush=True)
 
 
-def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
+def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> dict[str, Any]:
+    """Run the job of ``spec_path`` on a local stack, printing progress and a summary; returns the
+    summary (``ok``: the job succeeded and was evaluated)."""
     started = time.monotonic()
     spec = load_job_spec(spec_path)
     prepare_model(spec.model.path)
@@ -112,11 +115,19 @@ def run_demo(spec_path: Path, out_dir: Path, *, engines: int = 1) -> int:
         print(f"  held-out accuracy at version {version:>3}: {value:.3f}")
     print("  peak memory: " + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in peaks.items()))
     print(f"  seconds per step: {seconds_per_step(history):.2f} (median, trainer's metric times)")
-    if job["state"] != "JOB_STATE_SUCCEEDED" or not accuracy:
+    summary = {
+        "ok": job["state"] == "JOB_STATE_SUCCEEDED" and bool(accuracy),
+        "job_id": job_id, "state": job["state"], "reason": job.get("reason", ""),
+        "steps": job.get("step", 0), "seconds": round(seconds, 1), "plot": str(png),
+        "accuracy": dict(zip(versions, accuracy, strict=True)),
+        "seconds_per_step": pace if math.isfinite(pace := seconds_per_step(history)) else None,
+        "peak_memory_mib": {name: round(size / 2**20) for name, size in peaks.items()},
+    }  # fmt: skip
+    if not summary["ok"]:
         print(f"demo: job {job_id} ended {job['state']}: {job.get('reason', '')}")
-        return 1
+        return summary
     print(
         f"demo: accuracy before={accuracy[0]:.3f} after={accuracy[-1]:.3f} "
         f"steps={job.get('step', 0)} seconds={seconds:.0f} plot={png}"
     )
-    return 0
+    return summary

@@ -47,9 +47,9 @@ from services.common.config import JobSpec
 from services.common.eval_sets import eval_set_sources, read_eval_set
 from services.common.grpc_client import channel
 from services.common.pb import reward_pb2, reward_pb2_grpc
-from services.data import DataError, PromptExample, encode_prompt, source_of, train_prompts
+from services.common.spec_paths import data_paths, local_paths
+from services.data import DataError, PromptExample, encode_prompt, train_prompts
 from services.models import ModelPathError, locate, prepared_model_path, readable_problem
-from services.models.paths import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,6 @@ _TOKENIZERS: dict[str, Any] = {}
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def _not_a_local_path(value: str) -> bool:
-    """A ``builtin:`` model, or a hub id (no such local path): nothing outside verst's and the
-    Hugging Face cache is read for it."""
-    return value.startswith("builtin:") or (not os.path.lexists(value) and is_hub_id(value))
-
-
 def _inside(value: str, roots: list[Path]) -> bool:
     resolved = Path(os.path.realpath(value))
     return any(resolved == root or resolved.is_relative_to(root) for root in roots)
@@ -76,7 +70,7 @@ def _inside(value: str, roots: list[Path]) -> bool:
 def confinement_problems(spec: JobSpec, settings: ApiSettings) -> list[Problem]:
     """Paths outside the configured roots, and a data source that cannot be had."""
     try:
-        paths = _local_paths(spec)
+        paths = local_paths(spec)
     except DataError as err:  # a user's source that does not import: nothing to confine
         return [(("data", "source"), str(err))]
     problems: list[Problem] = []
@@ -90,31 +84,6 @@ def confinement_problems(spec: JobSpec, settings: ApiSettings) -> list[Problem]:
     if root is not None and not _inside(spec.trainer.checkpoint_dir, [root]):
         problems.append((("trainer", "checkpoint_dir"), f"must lie in VERST_CHECKPOINT_ROOT ({root})"))
     return problems
-
-
-def _local_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
-    """The local paths the job reads: its model and tokenizer, and the locations of the data
-    sources that ``reads_path``; a user's source is imported here (``DataError`` if it cannot be)."""
-    paths = [(("model", "path"), spec.model.path), (("model", "tokenizer"), spec.model.tokenizer)]
-    found = [(field, value) for field, value in paths if value is not None and not _not_a_local_path(value)]
-    lora = spec.model.lora
-    if lora is not None and lora.init_from is not None:
-        found.append((("model", "lora", "init_from"), lora.init_from))
-    return found + _data_paths(spec)
-
-
-def _data_paths(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
-    """(field, path) of data.train, data.eval and the eval sets' locations where their source
-    reads a local path."""
-    locations = [(("data", "train"), spec.data, spec.data.train)]
-    locations += [(held.field, held.data, held.data.eval) for held in eval_set_sources(spec)]
-    found = []
-    for field, data, location in locations:
-        if location is not None:
-            source, path = source_of(data, location)
-            if source.reads_path:
-                found.append((field, path))
-    return found
 
 
 def readability_problems(spec: JobSpec) -> list[Problem]:
@@ -158,7 +127,7 @@ def _model_problems(
 def _data_problems(spec: JobSpec) -> list[Problem]:
     """Data that cannot be read: a path a source reads that does not exist, else what reading says."""
     try:
-        paths = _data_paths(spec)
+        paths = data_paths(spec)
     except DataError as err:
         return [(("data", "source"), str(err))]
     missing = {

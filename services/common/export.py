@@ -1,4 +1,4 @@
-"""Export a saved version of a job as a Hugging Face directory: ``verst export`` (services/cli.py)
+"""Export a saved version of a job as a Hugging Face directory: ``verst export`` (services/cli/export.py)
 and ``POST /v1/jobs/{id}/export`` (services/api/server.py) both call ``export_version``.
 
 - a full fine-tune: its model files (model.safetensors, config, generation config, tokenizer and

@@ -1,4 +1,4 @@
-"""Run a gRPC service: health checking, graceful shutdown on SIGTERM/SIGINT."""
+"""Run a gRPC service: health checking, server reflection, graceful shutdown on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_options import KEEPALIVE, KeepAlive
 from services.common.settings import ServiceSettings, load_settings, setup_logging
@@ -16,12 +17,27 @@ from services.common.settings import ServiceSettings, load_settings, setup_loggi
 log = logging.getLogger(__name__)
 
 Register = Callable[[grpc.aio.Server], Iterable[str]]
-"""Adds servicers to a server and returns their full service names (for health)."""
+"""Adds servicers to a server and returns their full service names (for health and reflection)."""
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 def make_server(keepalive: KeepAlive = KEEPALIVE) -> grpc.aio.Server:
     """A gRPC server that admits the pings of verst's channels (grpc_options.py)."""
     return grpc.aio.server(options=keepalive.server_options())
+
+
+def build_server(
+    register: Register | None = None, keepalive: KeepAlive = KEEPALIVE
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, list[str]]:
+    """A server holding what ``register`` adds, gRPC health and server reflection (so that
+    `grpcurl list` and other reflection clients see every service); its health servicer and the
+    service names ``register`` returned. Not started, no port bound."""
+    server = make_server(keepalive)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(register(server)) if register else []
+    reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    return server, health_servicer, names
 
 
 def shutdown_event() -> asyncio.Event:
@@ -45,10 +61,7 @@ async def serve(
     the shutdown event; it must return soon after the event is set.
     """
     stop = shutdown_event()
-    server = make_server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = list(register(server)) if register else []
+    server, health_servicer, names = build_server(register)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     for name in ["", *names]:

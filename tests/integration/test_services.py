@@ -1,4 +1,4 @@
-"""Every service module starts, answers health, and stops cleanly on SIGTERM."""
+"""Every service module starts, answers health and server reflection, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common.redis_server import free_port
 
@@ -20,6 +21,16 @@ GRPC_SERVICES = [
     (["services.rollout"], "VERST_ENGINE_PORT"),
     (["services.runner"], "VERST_RUNNER_PORT"),
 ]
+SERVED = {
+    "services.router": {"verst.v1.Router"},
+    "services.reward": {"verst.v1.Reward", "verst.v1.Tools"},
+    "services.trainer": {"verst.v1.Trainer"},
+    "services.rollout": {"verst.v1.Rollout"},
+    "services.runner": set(),
+    "services.controller": set(),
+}
+"""The services each process lists by reflection besides health and reflection itself."""
+ALWAYS = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 DEADLINE_S = 120.0
 """How long a process may take to serve health: the trainer imports DeepSpeed, slow on a busy 2-core host."""
 
@@ -52,6 +63,12 @@ def grpc_health(port: int) -> int:
             time.sleep(0.1)
 
 
+def reflected_services(port: int) -> set[str]:
+    """What a reflection client (`grpcurl list`) sees at the port."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
 def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -72,6 +89,7 @@ def test_grpc_service_lifecycle(
     proc, port = start(python, python_env, module, port_var, redis_url)
     try:
         assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
+        assert reflected_services(port) == ALWAYS | SERVED[module[0]]
     finally:
         code, output = stop(proc)
     assert code == 0, output
@@ -85,6 +103,7 @@ def test_controller_runs_as_its_own_process(python: str, python_env: dict[str, s
     proc, port = start(python, env, ["services.controller"], "VERST_CONTROLLER_PORT", redis_url)
     try:
         assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
+        assert reflected_services(port) == ALWAYS | SERVED["services.controller"]
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert "verst_controller_drivers 0.0" in metrics
     finally:

@@ -1,0 +1,96 @@
+"""`verst up` and `verst demo`: the whole stack on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from services.cli.options import Subcommands, new_command
+from services.examples import example_names, example_spec
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.stack import Stack, StackConfig
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack in order, like Ctrl-C
+
+    config = StackConfig(
+        log_dir=Path(args.log_dir),
+        redis_dir=Path(args.redis_dir),
+        engines=args.engines,
+        separate_controller=args.separate_controller,
+    )
+    stack = Stack(config)
+    progress = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON alone
+    print(f"starting verst (logs in {config.log_dir}/) ...", file=progress, flush=True)
+    stack.start()
+    if args.json:
+        print(json.dumps({"api": stack.api_url, "redis": stack.redis_url, "log_dir": str(config.log_dir)}))
+        sys.stdout.flush()
+    else:
+        where = f"api {stack.api_url}  redis {stack.redis_url}"
+        print(f"verst is up: {where}  (Ctrl-C stops everything)", flush=True)
+    try:
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("\nstopping ...", file=progress, flush=True)
+    finally:
+        stack.stop()
+    return 0
+
+
+def spec_file(value: str) -> contextlib.AbstractContextManager[Path]:
+    """``--spec``: a file, else the name of an example shipped with verst (``addition``)."""
+    if Path(value).is_file() or value not in example_names():
+        return contextlib.nullcontext(Path(value))
+    return example_spec(value)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    # --json: the progress goes to stderr, the summary alone to stdout
+    progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with spec_file(args.spec) as spec, progress:
+        summary = run_demo(spec, Path(args.out), engines=args.engines)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0 if summary["ok"] else 1
+
+
+def add_up(commands: Subcommands) -> None:
+    up = new_command(
+        commands, "up", "start Redis and every service locally; Ctrl-C stops them", cmd_up, api=False
+    )
+    up.add_argument("--engines", type=int, default=1, help="rollout engines to start")
+    up.add_argument("--log-dir", default=".verst/logs", help="one log file per service here")
+    up.add_argument("--redis-dir", default=".verst/redis", help="embedded Redis persists here")
+    up.add_argument(
+        "--separate-controller",
+        action="store_true",
+        help="run the job controller as its own process (python -m services.controller), not in the api",
+    )
+
+
+def add_demo(commands: Subcommands) -> None:
+    demo = new_command(
+        commands, "demo", "run the default job end to end on this machine", cmd_demo, api=False
+    )
+    demo.add_argument(
+        "--spec",
+        default="addition",
+        help=f"job spec file, or a shipped example: {', '.join(example_names())} (default: addition)",
+    )
+    demo.add_argument("--out", default="runs/demo", help="where the plot and summary go")
+    demo.add_argument("--engines", type=int, default=1, help="rollout engines to start")
