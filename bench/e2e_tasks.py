@@ -184,6 +184,26 @@ BENCH_TASKS: dict[str, BenchTask] = {
         # the base model starts at 0.275 and passes 0.6 within 5-10 steps; 0.8 takes 20-25
         target=0.8,
     ),
+    "addition-long": BenchTask(
+        name="addition-long",
+        bound="overhead",
+        model="builtin:addition",
+        data="builtin:addition",
+        verifier="addition",
+        # the addition race, run long enough that the steady loop, not start-up, sets the ratio: at
+        # lr 1e-5 one pair passed 0.8 between steps 80 and 100; at 4e-6 it takes 200 steps or more
+        hyper={
+            "group_size": 8,
+            "prompts_per_step": 16,
+            "max_new_tokens": 8,
+            "learning_rate": 4e-6,
+            "clip_low": 0.2,
+            "clip_high": 0.28,
+            "max_steps": 400,
+            "eval_every": 10,
+        },
+        target=0.8,
+    ),
     "reverse": BenchTask(
         name="reverse",
         bound="compute",
