@@ -138,9 +138,13 @@ class CountingReward(RewardServicer):
         super().__init__(RewardSettings(port=0, tools_enabled=False))
         self.jobs: list[str] = []
 
-    async def score(self, request: reward_pb2.ScoreRequest, timeout_s: float | None = None) -> Any:
+    async def Score(self, request: reward_pb2.ScoreRequest, context: Any) -> Any:
         self.jobs.append(request.job_id)
-        return await super().score(request, timeout_s)
+        return await super().Score(request, context)
+
+    async def ScoreBatch(self, request: reward_pb2.ScoreBatchRequest, context: Any) -> Any:
+        self.jobs.extend(item.job_id for item in request.items)
+        return await super().ScoreBatch(request, context)
 
 
 @pytest.fixture(scope="session")
