@@ -19,16 +19,22 @@ from services.common.spec_paths import absolute_paths
 
 EXPORT_TIMEOUT_S = 3600.0
 """An export merges and writes a whole model: minutes for a large one."""
+DOWNLOAD_READ_TIMEOUT_S = 120.0
+"""Longest wait for the next bytes of a checkpoint archive."""
 
 __all__ = [
     "TERMINAL_STATES",
     "ApiError",
     "auth_headers",
     "cancel_job",
+    "download_checkpoint",
     "export_job",
     "get_job",
     "job_history",
+    "job_logs",
+    "list_checkpoints",
     "list_jobs",
+    "service_logs",
     "submit",
 ]
 
@@ -64,7 +70,7 @@ def _checked(response: httpx.Response, what: str) -> Any:
         wanted = "the api wants a token: set VERST_API_TOKEN"
         message = "the api refused VERST_API_TOKEN" if auth_headers() else wanted
     elif code == 422 and isinstance(detail, list):
-        message = f"the api refused the spec: {_problems(detail)}"
+        message = f"the api refused the request: {_problems(detail)}"
     else:
         message = str(detail)
     raise ApiError(code, f"{what}: {message} (HTTP {code})")
@@ -115,6 +121,48 @@ def export_job(
         f"{api}/v1/jobs/{job_id}/export", json=body, headers=auth_headers(), timeout=EXPORT_TIMEOUT_S
     )
     return _checked(response, f"exporting {job_id}")
+
+
+def list_checkpoints(api: str, job_id: str) -> list[dict[str, Any]]:
+    """The job's saved directories (GET /v1/jobs/{id}/checkpoints), base first, oldest first."""
+    response = httpx.get(f"{api}/v1/jobs/{job_id}/checkpoints", headers=auth_headers(), timeout=60)
+    return list(_checked(response, f"checkpoints of {job_id}")["checkpoints"])
+
+
+def download_checkpoint(api: str, job_id: str, version: str, out: Path) -> int:
+    """Stream one saved directory's tar.gz into the file ``out`` (written under a temporary name,
+    renamed when complete); its size in bytes. A download cut short raises, leaving no ``out``."""
+    url = f"{api}/v1/jobs/{job_id}/checkpoints/{version}/archive"
+    partial = out.with_name(f".{out.name}.part")
+    timeout = httpx.Timeout(30.0, read=DOWNLOAD_READ_TIMEOUT_S)
+    try:
+        with httpx.stream("GET", url, headers=auth_headers(), timeout=timeout) as response:
+            if not response.is_success:
+                response.read()
+                _checked(response, f"checkpoint {version} of {job_id}")
+            with partial.open("wb") as file:
+                for chunk in response.iter_bytes():
+                    file.write(chunk)
+        partial.rename(out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out.stat().st_size
+
+
+def job_logs(api: str, job_id: str, lines: int, after: str | None = None) -> dict[str, Any]:
+    """The job's newest events as log lines (with ``after``, the first ones after that event id):
+    {"job_id", "lines", "last_event_id", "finished"}."""
+    params: dict[str, Any] = {"lines": lines} | ({"after": after} if after else {})
+    response = httpx.get(f"{api}/v1/jobs/{job_id}/logs", params=params, headers=auth_headers(), timeout=10)
+    return dict(_checked(response, f"logs of {job_id}"))
+
+
+def service_logs(api: str, name: str, lines: int, after: int | None = None) -> dict[str, Any]:
+    """The end of a service's log (or, with ``after``, its lines since that offset):
+    {"service", "lines", "end"}."""
+    params: dict[str, int] = {"lines": lines} | ({"after": after} if after is not None else {})
+    response = httpx.get(f"{api}/v1/services/{name}/logs", params=params, headers=auth_headers(), timeout=10)
+    return dict(_checked(response, f"logs of service {name}"))
 
 
 def job_history(api: str, job_id: str) -> list[dict[str, Any]]:

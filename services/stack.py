@@ -21,6 +21,7 @@ from typing import IO
 
 from services.common.healthcheck import grpc_serving, http_ok
 from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
+from services.common.service_logs import log_path as service_log_path
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class Stack:
         ]  # fmt: skip
         controller = {"VERST_CONTROLLER_ROUTER_ADDRESS": router, "VERST_CONTROLLER_REWARD_ADDRESS": reward}
         api = {**base, "VERST_API_PORT": str(cfg.api_port), "VERST_API_ROUTER_ADDRESS": router,
-               "VERST_API_REWARD_ADDRESS": reward}  # fmt: skip
+               "VERST_API_REWARD_ADDRESS": reward,
+               "VERST_API_LOG_DIR": str(cfg.log_dir.resolve())}  # fmt: skip
         if cfg.separate_controller:
             controller |= {
                 "VERST_CONTROLLER_PORT": str(cfg.controller_port),
@@ -176,7 +178,7 @@ class Stack:
         return children
 
     def _spawn(self, child: Child) -> None:
-        log_path = self.config.log_dir / f"{child.name}.log"
+        log_path = service_log_path(self.config.log_dir, child.name)
         child.log_file = log_path.open("ab")
         parent = os.getpid()
         child.process = subprocess.Popen(
@@ -255,7 +257,7 @@ class Stack:
             time.sleep(0.2)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.config.log_dir / f"{name}.log"
+        path = service_log_path(self.config.log_dir, name)
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

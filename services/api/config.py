@@ -40,6 +40,9 @@ class ApiSettings(RolloutClientSettings):
     unhealthy_exit_s: float = Field(180.0, ge=0.0, le=86_400.0)
     """`python -m services.api` exits (status 3) for its supervisor once it has been unhealthy, or its
     event loop stuck, this long; longer than a Redis outage the services ride through; 0: never."""
+    engine_ttl_s: float = Field(5.0, gt=0.0, le=600.0)
+    """GET /v1/cluster lists an engine while its last registry heartbeat is younger than this (as the
+    router's VERST_ROUTER_ENGINE_TTL_S)."""
     list_limit: int = Field(1000, ge=1, le=100_000)
     """Most jobs one GET /v1/jobs returns."""
     max_body_bytes: int = Field(1_048_576, ge=1024, le=1_073_741_824)
@@ -52,6 +55,11 @@ class ApiSettings(RolloutClientSettings):
     eval.sets locations must lie in (`builtin:` names always allowed); empty: any path."""
     checkpoint_root: str = Field("", max_length=4096, validation_alias=AliasChoices("VERST_CHECKPOINT_ROOT"))
     """Directory that trainer.checkpoint_dir, and the out_dir of an export, must lie in; empty: any path."""
+    log_dir: str = Field("", max_length=4096)
+    """Directory of the services' log files (`<name>.log`, as `verst up` writes them) that GET
+    /v1/services/{name}/logs reads; `verst up` sets it; empty: no service logs over REST."""
+    log_lines_limit: int = Field(10_000, ge=1, le=1_000_000)
+    """Most lines one GET of a job's or a service's logs returns."""
     check_specs: bool = True
     """Check a submitted spec against the world (paths, data, prompt lengths, reward service); off:
     only the JobSpec's own validation."""

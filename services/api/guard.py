@@ -24,8 +24,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.config import ApiSettings
 
-OPEN_PATHS = frozenset({"/healthz", "/metrics"})
-"""Paths served without the token (probes and Prometheus)."""
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/"})
+"""Paths served without the token (probes, Prometheus, the dashboard's page)."""
+OPEN_PREFIXES = ("/dashboard/",)
+"""Path prefixes served without the token: the dashboard's static assets (no data; the page asks for
+the token and sends it with each api call)."""
 EXCERPT_CHARS = 200
 """Most characters of a client's input that an error response repeats."""
 SECURITY_SCHEME = "bearer"
@@ -133,7 +136,8 @@ class TokenMiddleware:
         self._token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         given = b""

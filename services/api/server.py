@@ -21,11 +21,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
+from services.api.artefacts import add_artefact_routes
+from services.api.cluster import add_cluster_route
 from services.api.config import ApiSettings
 from services.api.events import add_events_route, event_client
 from services.api.exports import add_export_route
 from services.api.guard import error_responses, guard
 from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
+from services.api.logs import add_log_routes
+from services.api.site import add_dashboard
 from services.api.spec_checks import SpecChecker
 from services.api.telemetry import ApiMetrics
 from services.common.bus import Bus, connect
@@ -213,7 +217,11 @@ def create_app(
     _add_job_routes(app, settings)
     add_export_route(app, settings)
     add_events_route(app, settings)
+    add_artefact_routes(app, settings)
+    add_log_routes(app, settings)
     _add_ops_routes(app, settings)
+    add_cluster_route(app, settings)
+    add_dashboard(app)
     return app
 
 
@@ -244,8 +252,11 @@ async def _check(checker: SpecChecker | None, spec: JobSpec) -> None:
 
 def _value_at(spec: JobSpec, path: tuple[str, ...]) -> Any:
     value: Any = spec
-    for part in path:  # a section's field, or a key of a mapping (eval.sets.<name>)
-        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    for part in path:  # a section's field, a key of a mapping (eval.sets.<name>), an index of a list
+        if isinstance(value, list):
+            value = value[int(part)]
+        else:
+            value = value[part] if isinstance(value, dict) else getattr(value, part)
     return value
 
 

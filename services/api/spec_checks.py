@@ -20,7 +20,9 @@ rather than a job that fails (or spins) later.
 - reward: a ``reward.address`` the spec names answers gRPC health within ``check_timeout_s``; the
   reward service that will score the job (that one, else the api's) knows ``reward.verifier`` or
   can import ``reward.plugin`` (``Reward.CheckVerifier``: only the scoring process knows its
-  registry and its plugins' import path; a server without that RPC is taken at its word).
+  registry and its plugins' import path; a server without that RPC is taken at its word);
+- tracking: each tracker in tracking.trackers has its package installed here, where the
+  controller that writes it runs (tracking_config.tracker_problems).
 
 A check that cannot finish within ``check_timeout_s`` is skipped with a log line: slowness is no
 proof of a bad spec, and the job's own deadlines still apply.
@@ -48,6 +50,7 @@ from services.common.eval_sets import eval_set_sources, read_eval_set
 from services.common.grpc_client import channel
 from services.common.pb import reward_pb2, reward_pb2_grpc
 from services.common.spec_paths import data_paths, local_paths
+from services.common.tracking_config import tracker_problems
 from services.data import DataError, PromptExample, encode_prompt, train_prompts
 from services.models import ModelPathError, locate, prepared_model_path, readable_problem
 
@@ -234,7 +237,7 @@ class SpecChecker:
         if not problems:
             count = self.settings.check_prompts
             problems += await self._in_thread("checking prompt lengths", prompt_problems, spec, count)
-        return problems + await self._reward_problems(spec)
+        return problems + tracker_problems(spec.tracking) + await self._reward_problems(spec)
 
     async def _in_thread(self, what: str, check: Callable[..., list[Problem]], *args: Any) -> list[Problem]:
         try:

@@ -11,10 +11,13 @@ from collections.abc import Callable
 
 import httpx
 
+from services.cli.checkpoints import add_checkpoints
 from services.cli.export import add_export
 from services.cli.jobs import add_cancel, add_status, add_submit
 from services.cli.local import add_demo, add_up
+from services.cli.logs import add_logs
 from services.cli.options import DEFAULT_API, Subcommands
+from services.cli.tracking import add_tensorboard
 from services.cli.watch import add_watch
 from services.client import ApiError
 from services.common.config import JobSpecError
@@ -25,7 +28,10 @@ COMMANDS: list[Callable[[Subcommands], None]] = [
     add_status,
     add_cancel,
     add_watch,
+    add_logs,
+    add_checkpoints,
     add_export,
+    add_tensorboard,
     add_demo,
 ]
 """Each adds one subcommand (options.new_command); a new command is one more entry here."""

@@ -2,7 +2,8 @@
 read-only view of what it holds.
 
 The trainer writes it (services/trainer/checkpoints.py); the export (services/common/export.py),
-run by the cli or the api, reads it through ``SavedVersions`` here, never the trainer's modules.
+run by the cli or the api, and the api's listing and archives (services/api/artefacts.py) read it
+through ``SavedVersions`` here, never the trainer's modules.
 
     base/                        LoRA jobs: the base model the adapters apply to (written once)
     weights/v{version:06d}-e{epoch}/   weights-only, every step: a model (model.safetensors,
@@ -17,9 +18,11 @@ Every directory is written under a temporary name and renamed: one that exists i
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import unquote, urlparse
 
 from google.protobuf import json_format
@@ -50,6 +53,8 @@ OWN_FILES = frozenset({WEIGHTS_HANDLE_FILE, HANDLE_FILE, MANIFEST_FILE})
 """Files of a checkpoint directory that describe it, never carried over to another."""
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_VERSION_DIR = re.compile(r"^v(\d{6,})-e(\d+)$")
+ENTRY_REF = re.compile(r"^(\d{1,18}|base|v\d{6,18}(-e\d{1,9})?)$")
+"""How a reader names one saved directory: a policy version number, or an entry's ``name``."""
 
 
 def job_directory(root: Path, job_id: str) -> Path:
@@ -107,6 +112,36 @@ class SavedVersion:
         return f"v{self.handle.version} (epoch {self.handle.epoch}, {kind})"
 
 
+EntryKind = Literal["durable", "weights", "base"]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedEntry:
+    """One complete directory of a job's checkpoint directory, as the api lists and archives it."""
+
+    name: str
+    """``v000003`` (durable), ``v000003-e1`` (weights-only, lineage 1) or ``base`` (a LoRA job's base)."""
+    kind: EntryKind
+    handle: common_pb2.CheckpointHandle
+    directory: Path
+
+    def files(self) -> list[Path]:
+        """Its regular files, relative to it, sorted; symbolic links (which could lead out of the
+        directory) are left out, and so is anything that does not resolve inside it."""
+        root = self.directory.resolve()
+        found = []
+        for folder, _, names in os.walk(root, followlinks=False):
+            for name in names:
+                path = Path(folder, name)
+                if not path.is_symlink() and path.is_file() and path.resolve().is_relative_to(root):
+                    found.append(path.relative_to(root))
+        return sorted(found)
+
+    def size_bytes(self) -> int:
+        """What its files hold, in bytes (hard links counted in full)."""
+        return sum((self.directory / path).stat().st_size for path in self.files())
+
+
 class SavedVersions:
     """What one job's checkpoint directory holds: its durable checkpoints and weights-only versions."""
 
@@ -134,6 +169,52 @@ class SavedVersions:
             log.warning("%s is unreadable (%s); skipping it", directory, err)
             return
         found[saved.key] = saved
+
+    def entries(self) -> list[SavedEntry]:
+        """Every readable directory, durable and weights-only alike (a version may be both), and
+        a LoRA job's base: the base first, then by (epoch, version), weights-only before durable."""
+        found: list[SavedEntry] = []
+        base = self.job_dir / BASE_DIR
+        self._add_entry(found, BASE_DIR, "base", base / WEIGHTS_HANDLE_FILE, base)
+        for epoch, version in weights_versions(self.job_dir):
+            directory = self.job_dir / WEIGHTS_DIR / weights_name(version, epoch)
+            self._add_entry(found, directory.name, "weights", directory / WEIGHTS_HANDLE_FILE, directory)
+        for version in durable_versions(self.job_dir):
+            directory = self.job_dir / durable_name(version)
+            self._add_entry(found, directory.name, "durable", directory / HANDLE_FILE, directory)
+        order = {"base": 0, "weights": 1, "durable": 2}
+        return sorted(
+            found, key=lambda e: (e.kind != "base", e.handle.epoch, e.handle.version, order[e.kind])
+        )
+
+    @staticmethod
+    def _add_entry(
+        found: list[SavedEntry], name: str, kind: EntryKind, handle_file: Path, directory: Path
+    ) -> None:
+        if directory.is_symlink() or not handle_file.is_file():  # a link could lead anywhere
+            return
+        try:
+            found.append(SavedEntry(name, kind, read_handle(handle_file), directory))
+        except (OSError, json_format.ParseError) as err:
+            log.warning("%s is unreadable (%s); skipping it", directory, err)
+
+    def entry(self, ref: str) -> SavedEntry:
+        """The entry ``ref`` names (ENTRY_REF): its ``name``, or a version number as ``find``
+        takes it. Raises LookupError naming the entries there are."""
+        if not ENTRY_REF.match(ref):
+            raise LookupError(
+                f"{ref!r:.60} names no checkpoint: a version number, base, v000003 or v000003-e1"
+            )
+        entries = self.entries()
+        name = ref
+        if ref.isdigit():
+            saved = self.find(int(ref))
+            name = saved.directory.name
+        for entry in entries:
+            if entry.name == name:
+                return entry
+        there = ", ".join(entry.name for entry in entries) or "none"
+        raise LookupError(f"job {self.job_id} has no checkpoint {ref} (saved: {there})")
 
     def find(self, version: int | None = None) -> SavedVersion:
         """``version`` of the newest lineage that has it (None: the newest version saved).

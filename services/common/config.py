@@ -26,6 +26,7 @@ from pydantic import (
 from services.common.algorithm_config import AlgorithmConfig
 from services.common.plugins import PLUGIN_PATH, is_plugin_path
 from services.common.section import DEEPSPEED_JSON_CHARS, PATH_CHARS, Section, Text
+from services.common.tracking_config import TrackingConfig
 
 LORA_MODULE_NAME = r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$"
 """The form of a name in `model.lora.target_modules` (the end of a module's dotted name)."""
@@ -530,6 +531,8 @@ class JobSpec(Section):
     """Optimisation, DeepSpeed and checkpoints."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation schedule."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment trackers that also record the job's metrics (TensorBoard by default, W&B, MLflow)."""
 
     @model_validator(mode="after")
     def _autocast_keeps_float32_weights(self) -> JobSpec:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -145,6 +146,30 @@ class Event:
         return data
 
 
+def log_line(data: Mapping[str, Any]) -> str:
+    """An event's ``data()`` as one line of a job's log: UTC time, kind, what happened."""
+    at = datetime.fromtimestamp(float(data.get("time", 0.0)), UTC).isoformat(timespec="milliseconds")
+    kind = data.get("kind", "")
+    if kind == "state":
+        what = str(data["state"]).removeprefix("JOB_STATE_").lower()
+        what += f": {data['reason']}" if data.get("reason") else ""
+    elif kind in ("metrics", "evaluation"):
+        values = " ".join(
+            f"{name}={'nan' if value is None else f'{value:.6g}'}" for name, value in data["values"].items()
+        )
+        what = f"{data['source']} step {data['step']} v{data['policy_version']}: {values}"
+    elif kind == "warning":
+        what = str(data["message"])
+    elif kind == "dead_letter":
+        what = (
+            f"from {data['source_stream']} (entry {data['entry_id']}, delivered {data['delivery_count']}"
+            f" times): {data['reason']}"
+        )
+    else:
+        what = ""
+    return f"{at.replace('+00:00', 'Z')} {kind} {what}".rstrip()
+
+
 def _finite(value: float) -> float | None:
     """JSON has no NaN or infinity: such a value is null."""
     return value if math.isfinite(value) else None
@@ -177,6 +202,11 @@ class EventLog:
         entry_id = await self.redis.xadd(key, encode(event), maxlen=self.maxlen, approximate=True)
         return entry_id.decode()
 
+    async def tail(self, job_id: str, count: int) -> list[Event]:
+        """The newest ``count`` events, oldest first (bad entries passed over, as ``read`` does)."""
+        key = JobStreams(job_id).events
+        return _decoded(key, reversed(await self.redis.xrevrange(key, count=count)))
+
     async def read(
         self, job_id: str, after: str = START, *, count: int = 100, block_ms: int | None = None
     ) -> list[Event]:
@@ -187,11 +217,16 @@ class EventLog:
             raise ValueError(f"not an event id: {after!r:.60}")
         key = JobStreams(job_id).events
         reply = await self.redis.xread({key: after}, count=count, block=block_ms)
-        events = []
-        for raw_id, fields in reply[0][1] if reply else []:
-            message, reason = decode_entry(fields, common_pb2.JobEvent, key)
-            if message is None:
-                log.warning("%s: passed over event %s: %s", key, raw_id.decode(), reason)
-                continue
-            events.append(Event(raw_id.decode(), message))
-        return events
+        return _decoded(key, reply[0][1] if reply else [])
+
+
+def _decoded(key: str, entries: Iterable[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:
+    """The good JobEvents of these stream entries, in order; a bad entry is passed over (logged)."""
+    events = []
+    for raw_id, fields in entries:
+        message, reason = decode_entry(fields, common_pb2.JobEvent, key)
+        if message is None:
+            log.warning("%s: passed over event %s: %s", key, raw_id.decode(), reason)
+            continue
+        events.append(Event(raw_id.decode(), message))
+    return events

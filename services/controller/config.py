@@ -12,6 +12,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import RolloutClientSettings
+from services.common.tracking_config import DEFAULT_TRACKING_DIR
 
 
 class ControllerSettings(RolloutClientSettings):
@@ -49,3 +50,6 @@ class ControllerSettings(RolloutClientSettings):
     dead_consumer_s: float = Field(60.0, ge=1.0, le=30 * 86_400.0)
     """A consumer holding no entries that has not read its stream for this long has died: it is
     removed from its group (one that was only quiet comes back on its next read)."""
+    tracking_dir: str = Field(DEFAULT_TRACKING_DIR, min_length=1, max_length=4096)
+    """Where a job's tracker files go (TensorBoard, W&B, MLflow: `{tracking_dir}/{job_id}/`) when
+    the controller cannot see its trainer.checkpoint_dir; else in the job's checkpoint directory."""

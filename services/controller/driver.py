@@ -48,7 +48,7 @@ from typing import Any
 
 from services.common.bus import Bus, Delivery, metric_message
 from services.common.consumer import StreamConsumer
-from services.common.events import dead_letter_event
+from services.common.events import dead_letter_event, warning_event
 from services.common.housekeeping import tend_job, tidy_ended_job
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import (
@@ -70,6 +70,7 @@ from services.controller.feed import PromptFeed
 from services.controller.pacing import Issue, plan_issue
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
+from services.controller.tracking import JobTracking
 from services.data import DataError
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class JobDriver:
         self.tokenizer: Any = None
         self.evals = JobEvals(deps.bus, deps.stubs, deps.settings, deps.metrics, record.job_id, record.spec)
         self.evals.events = deps.store.events
+        self.tracking = JobTracking(record.job_id, record.spec, deps.settings.tracking_dir)
         self._first_handle: asyncio.Future[common_pb2.CheckpointHandle] = loop.create_future()
         self._trainer_done: asyncio.Future[common_pb2.JobStatus] = loop.create_future()
         """The trainer's SUCCEEDED status."""
@@ -425,22 +427,38 @@ class JobDriver:
     async def _follow_metrics(self) -> None:
         """Merge every Metric into the job record; once draining, until none is left. What
         arrives within ``metrics_merge_s`` of a merge waits for the next one: a step's metrics
-        (trainer, engines, this controller) go in one transaction, not one each."""
+        (trainer, engines, this controller) go in one transaction, not one each. Each merged batch
+        then goes to the job's trackers; a resumed driver first gives them the job's history (they
+        skip what they hold already), which the previous one may have merged but not tracked."""
         consumer = self._consumer(self.streams.metrics, common_pb2.Metric, 200)
         drain_until = float("inf")
-        while time.monotonic() < drain_until:
-            deliveries = await consumer.poll()
-            now = time.time()
-            rows = [metric_row(delivery.message, now) for delivery in deliveries]
-            acked = [delivery.entry_id for delivery in deliveries]
-            await self.store.merge_metric_rows(self.job_id, rows, acked=acked)  # acked with the merge
-            if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
-                drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
-                if not deliveries:
-                    return
-            elif deliveries and self.settings.metrics_merge_s:
-                with contextlib.suppress(TimeoutError):  # winding down ends the wait
-                    await asyncio.wait_for(self._stopping.wait(), self.settings.metrics_merge_s)
+        try:
+            if self.resumed:
+                await self._track(await self.store.history(self.job_id))
+            while time.monotonic() < drain_until:
+                deliveries = await consumer.poll()
+                now = time.time()
+                rows = [metric_row(delivery.message, now) for delivery in deliveries]
+                acked = [delivery.entry_id for delivery in deliveries]
+                await self.store.merge_metric_rows(self.job_id, rows, acked=acked)  # acked with the merge
+                await self._track(rows)
+                if self._draining:  # what is published already, for DRAIN_TIMEOUT_S at most
+                    drain_until = min(drain_until, time.monotonic() + DRAIN_TIMEOUT_S)
+                    if not deliveries:
+                        return
+                elif deliveries and self.settings.metrics_merge_s:
+                    with contextlib.suppress(TimeoutError):  # winding down ends the wait
+                        await asyncio.wait_for(self._stopping.wait(), self.settings.metrics_merge_s)
+        finally:
+            await asyncio.to_thread(self.tracking.close)
+
+    async def _track(self, rows: list[MetricRow]) -> None:
+        """Merged rows to the job's trackers (tracking.py), in a thread; their warnings told on
+        the job's event log."""
+        if rows:
+            await asyncio.to_thread(self.tracking.write, rows)
+        for text in self.tracking.take_problems():
+            await self.store.events.append(warning_event(self.job_id, text))
 
     # -- machinery: helpers, their supervision, the stall watchdog -------------------------------
 

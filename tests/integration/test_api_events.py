@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import httpx
 import pytest
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from services.cli import main
 from services.common.bus import Bus
 from services.common.config import JobSpec
 from services.common.events import START, warning_event
 from services.common.jobs import CANCELLED, QUEUED, RUNNING, SUCCEEDED, JobStore, MetricRow
 from tests.integration.api_process import ApiProcess, serving
+from tests.integration.cli_thread import ended, run_cli
 
 TOKEN = "events-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -133,21 +131,6 @@ async def test_refusals(client: httpx.AsyncClient, api: ApiProcess) -> None:
         assert (await anonymous.get(events_url(job_id))).status_code == 401
 
 
-def run_watch(argv: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    """`verst <argv>` in a thread (it blocks until the job ends); its status lands in the dict."""
-    outcome: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: outcome.setdefault("status", main(argv)), daemon=True)
-    thread.start()
-    return thread, outcome
-
-
-async def ended(thread: threading.Thread) -> bool:
-    deadline = time.monotonic() + DEADLINE_S
-    while thread.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    return not thread.is_alive()
-
-
 async def test_verst_watch_follows_the_job_until_it_ends(
     client: httpx.AsyncClient,
     api: ApiProcess,
@@ -161,7 +144,7 @@ async def test_verst_watch_follows_the_job_until_it_ends(
     assert await store.set_state(job_id, RUNNING)
     await step(store, job_id, 1)
 
-    thread, outcome = run_watch(["watch", job_id, "--api", api.url])
+    thread, outcome = run_cli(["watch", job_id, "--api", api.url])
     await asyncio.sleep(1.0)
     assert thread.is_alive()  # the job runs on: so does the watch
     await step(store, job_id, 2, source="eval")
@@ -186,7 +169,7 @@ async def test_verst_watch_json_prints_each_event_once_and_fails_with_the_job(
     monkeypatch.setenv("VERST_API_TOKEN", TOKEN)
     store = JobStore(bus.redis)
     job_id = await submit(client)
-    thread, outcome = run_watch(["watch", job_id, "--json", "--api", api.url])
+    thread, outcome = run_cli(["watch", job_id, "--json", "--api", api.url])
     await step(store, job_id, 1)
     assert (await client.post(f"/v1/jobs/{job_id}/cancel")).status_code == 200
     assert await ended(thread), "verst watch did not end with the job"

@@ -288,3 +288,18 @@ async def test_a_lora_init_from_must_be_a_saved_adapter_inside_the_roots(
     assert (await submit(spec)).status_code == 201, "the trainer checks its rank and targets"
     outside = fields(await submit(spec, VERST_DATA_ROOTS=str(tmp_path / "elsewhere")))
     assert "must lie in VERST_DATA_ROOTS" in outside["model.lora.init_from"]
+
+
+async def test_a_tracker_whose_package_is_not_installed_is_a_422(
+    submit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.common.tracking_config import MlflowTracker
+
+    spec = {"tracking": {"trackers": [{"type": "tensorboard"}, {"type": "mlflow"}]}}
+    monkeypatch.setattr(MlflowTracker, "package", "verst_no_such_package")
+    problems = fields(await submit(spec))
+    assert list(problems) == ["tracking.trackers.1.type"]
+    assert (
+        "mlflow is chosen but its package 'verst_no_such_package' is not installed"
+        in problems["tracking.trackers.1.type"]
+    )

@@ -167,7 +167,7 @@ def test_relative_paths_are_the_submitters(
     spec.write_text("name: relative\ndata:\n  train: jsonl:missing.jsonl\n  eval: null\n")
     assert main(["submit", str(spec), "--api", api]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"verst: submitting {spec}: the api refused the spec: data.train: ")
+    assert err.startswith(f"verst: submitting {spec}: the api refused the request: data.train: ")
     assert str(tmp_path / "missing.jsonl") in err and err.endswith("(HTTP 422)\n") and err.count("\n") == 1
 
 

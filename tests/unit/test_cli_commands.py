@@ -18,7 +18,8 @@ def command_names() -> list[str]:
 
 
 def test_the_commands_of_the_issue_exist() -> None:
-    assert {"up", "submit", "status", "cancel", "export", "demo"} <= set(command_names())
+    wanted = {"up", "submit", "status", "cancel", "export", "logs", "checkpoints", "demo"}
+    assert wanted <= set(command_names())
 
 
 @pytest.mark.parametrize("name", command_names())
