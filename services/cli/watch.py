@@ -56,6 +56,8 @@ def follow_events(
                     _check(source.response, job_id)
                     for sse in source.iter_sse():
                         lost_since = None
+                        if not sse.data:  # a heartbeat: httpx-sse gives comments as empty events
+                            continue
                         last_id = sse.id or last_id
                         data = json.loads(sse.data)
                         yield data

@@ -17,10 +17,13 @@ START_DEADLINE_S = 30.0
 
 class ApiProcess:
     """`python -m services.api` on a free loopback port, with the environment ``env`` plus
-    ``settings`` (VERST_API_* names without the prefix, e.g. {"TOKEN": ...})."""
+    ``settings`` (VERST_API_* names without the prefix, e.g. {"TOKEN": ...}); ``port`` reuses a
+    port (an api restarted where its clients expect it)."""
 
-    def __init__(self, python: str, env: dict[str, str], redis_url: str, **settings: str) -> None:
-        self.port = free_port()
+    def __init__(
+        self, python: str, env: dict[str, str], redis_url: str, port: int = 0, **settings: str
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         api_env = {f"VERST_API_{name}": value for name, value in settings.items()}
         self.proc = subprocess.Popen(

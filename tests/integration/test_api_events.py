@@ -181,6 +181,37 @@ async def test_verst_watch_json_prints_each_event_once_and_fails_with_the_job(
     assert (lines[-1]["kind"], lines[-1]["state"]) == ("state", CANCELLED)
 
 
+async def test_verst_watch_reconnects_across_an_api_restart_and_shows_each_event_once(
+    python: str, python_env: dict[str, str], redis_url: str, bus: Bus, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = {"TOKEN": TOKEN, "CHECK_SPECS": "false", "CONTROLLER": "false", "EVENTS_HEARTBEAT_S": "1"}
+    store = JobStore(bus.redis)
+    with serving(python, python_env, redis_url, **settings) as first:
+        async with httpx.AsyncClient(base_url=first.url, headers=AUTH, timeout=10) as client:
+            job_id = await submit(client, steps=4)
+        assert await store.set_state(job_id, RUNNING)
+        await step(store, job_id, 1)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VERST_API_TOKEN", TOKEN)
+            thread, outcome = run_cli(["watch", job_id, "--json", "--give-up-s", "60", "--api", first.url])
+            await asyncio.sleep(1.5)  # the watch has the first events
+    # The api is gone: the watch retries while the job goes on without it.
+    await step(store, job_id, 2)
+    await step(store, job_id, 3, source="eval")
+    await asyncio.sleep(1.5)
+    assert thread.is_alive(), "the watch gave up while the api was down"
+    with serving(python, python_env, redis_url, port=first.port, **settings):
+        await step(store, job_id, 4)
+        assert await store.set_state(job_id, SUCCEEDED, "all steps done")
+        assert await ended(thread, DEADLINE_S), "verst watch did not end with the job"
+
+    assert outcome["status"] == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    logged = [event.id for event in await store.events.read(job_id, START)]
+    assert [line["id"] for line in lines] == logged, "each event shown once, none skipped"
+    assert [line["step"] for line in lines if "step" in line] == [1, 2, 3, 4]
+
+
 async def test_an_open_stream_does_not_hold_up_the_api_stopping(
     python: str, python_env: dict[str, str], redis_url: str
 ) -> None:
