@@ -275,7 +275,7 @@ async function loadCheckpoints(jobId) {
     const button = document.createElement("button");
     button.textContent = `download v${version}`;
     button.onclick = () => download(`/v1/jobs/${encodeURIComponent(jobId)}/checkpoints/${version}/archive`,
-      `${jobId}-v${version}.tar`);
+      `${jobId}-v${version}.tar.gz`);
     return button;
   }));
 }
@@ -290,7 +290,7 @@ async function download(path, name) {
 }
 
 async function loadLogs(jobId) {
-  const response = await api(`/v1/jobs/${encodeURIComponent(jobId)}/logs?tail=50`).catch(() => null);
+  const response = await api(`/v1/jobs/${encodeURIComponent(jobId)}/logs?lines=50`).catch(() => null);
   const box = $("logs");
   if (!response || !response.ok) { box.textContent = "no logs served"; return; }
   const text = await response.text();
