@@ -308,7 +308,7 @@ def run(
         f"{name}_port": 0
         for name in ("api", "router", "reward", "runner", "controller", "controller_metrics")
     }
-    config = StackConfig(log_dir=work / "logs", engines=0, trainer=False, separate_controller=separate,
+    config = StackConfig(log_dir=work / "logs", engines=0, trainers=0, separate_controller=separate,
                          extra_env=env, **ports)  # fmt: skip
     windows: list[Window] = []
     with Stack(config) as stack:

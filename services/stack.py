@@ -1,6 +1,6 @@
 """The whole verst stack as local processes: what `verst up` and `verst demo` run.
 
-Redis (embedded unless REDIS_URL is set), then the reward service, the trainer,
+Redis (embedded unless REDIS_URL is set), then the reward service, the trainers,
 the rollout engines, the router, the runner and the api (which runs the job controller, unless
 ``separate_controller`` gives it a process of its own), each a child process
 with its log in one folder. Children die with the stack: on `stop()`, on
@@ -49,8 +49,9 @@ class StackConfig:
     redis_dir: Path | None = None
     """Persist the embedded Redis here (append-only file); None keeps it in memory."""
     engines: int = 1
-    trainer: bool = True
-    """Start the trainer (False: another process consumes the jobs, as bench/control_plane.py's)."""
+    trainers: int = 1
+    """Trainer processes (trainer-0..N-1), each training one job at a time, so up to N jobs run at
+    once; 0: another process consumes the jobs, as bench/control_plane.py's."""
     api_port: int = 8000
     router_port: int = 50051
     engine_port: int = 50052
@@ -58,6 +59,7 @@ class StackConfig:
     """HTTP /metrics of engine-0; the other engines get free ports (their logs say which)."""
     reward_port: int = 50053
     trainer_port: int = 50054
+    """gRPC port of trainer-0; the other trainers get free ports (their logs say which)."""
     runner_port: int = 50055
     separate_controller: bool = False
     """Run the job controller as its own process instead of inside the api."""
@@ -77,14 +79,15 @@ class StackConfig:
         return StackConfig(**{**vars(self), **ports})
 
 
-def thread_split(engines: int, cores: int) -> dict[str, str]:
-    """Torch threads for the trainer and each engine: every core for the trainer, the busy stage
-    (the engines keep ``max_staleness`` versions of work ahead of it and wait on it), and half
-    the cores shared by the engines, at least one each. Torch's default (every core for every
-    process) has the engines' and the trainer's OpenMP teams spin against each other; the
-    environment (or ``extra_env``) overrides these."""
+def thread_split(engines: int, cores: int, trainers: int = 1) -> dict[str, str]:
+    """Torch threads for each trainer and each engine: every core shared by the trainers, the busy
+    stage (the engines keep ``max_staleness`` versions of work ahead of each and wait on it), at
+    least one each, and half the cores shared by the engines, at least one each. Torch's default
+    (every core for every process) has the engines' and the trainers' OpenMP teams spin against
+    each other; the environment (or ``extra_env``) overrides these."""
     engine = max(1, cores // 2 // max(1, engines))
-    return {"VERST_TRAINER_TORCH_THREADS": str(max(1, cores)), "VERST_ENGINE_TORCH_THREADS": str(engine)}
+    trainer = max(1, cores // max(1, trainers))
+    return {"VERST_TRAINER_TORCH_THREADS": str(trainer), "VERST_ENGINE_TORCH_THREADS": str(engine)}
 
 
 class Stack:
@@ -95,6 +98,8 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.redis_url = ""
         self.children: list[Child] = []
+        self.metrics_ports: dict[str, int] = {}
+        """Each child's Prometheus /metrics port, by child name (the api serves it on its own port)."""
 
     @property
     def api_url(self) -> str:
@@ -111,6 +116,9 @@ class Stack:
         try:
             for child in self._plan():
                 self._spawn(child)
+            log.info(
+                "/metrics on %s", ", ".join(f"{name} :{port}" for name, port in self.metrics_ports.items())
+            )
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -127,36 +135,39 @@ class Stack:
             "REDIS_URL": self.redis_url,
             "PYTHONUNBUFFERED": "1",
         }
-        base = {**thread_split(cfg.engines, os.cpu_count() or 1), **base}
+        base = {**thread_split(cfg.engines, os.cpu_count() or 1, cfg.trainers), **base}
         py = [sys.executable, "-m"]
-        trainer_port = str(cfg.trainer_port)
+        self.metrics_ports = {}
         children = [
-            Child("reward", [*py, "services.reward"], {**base, "VERST_REWARD_PORT": str(cfg.reward_port)},
-                  ("grpc", reward)),
-            Child("trainer", [*py, "services.trainer"],
-                  {"VERST_TRAINER_WEIGHT_TRANSPORT_HOST": host, **base, "VERST_TRAINER_PORT": trainer_port},
-                  ("grpc", f"{host}:{cfg.trainer_port}")),
+            Child("reward", [*py, "services.reward"], {**base, "VERST_REWARD_PORT": str(cfg.reward_port),
+                  "VERST_REWARD_METRICS_PORT": self._metrics_port("reward")}, ("grpc", reward)),
         ]  # fmt: skip
-        children = [child for child in children if cfg.trainer or child.name != "trainer"]
+        for index in range(cfg.trainers):
+            port = cfg.trainer_port if index == 0 else free_port(host)
+            env = {"VERST_TRAINER_WEIGHT_TRANSPORT_HOST": host, **base, "VERST_TRAINER_PORT": str(port),
+                   "VERST_TRAINER_METRICS_PORT": self._metrics_port(f"trainer-{index}")}  # fmt: skip
+            health = ("grpc", f"{host}:{port}")
+            children.append(Child(f"trainer-{index}", [*py, "services.trainer"], env, health))
         for index in range(cfg.engines):
             port = cfg.engine_port if index == 0 else free_port(host)
-            metrics_port = cfg.engine_metrics_port if index == 0 else free_port(host)
+            metrics_port = self._metrics_port(f"engine-{index}", cfg.engine_metrics_port if index == 0 else 0)
             env = {
                 "VERST_ENGINE_WEIGHT_TRANSPORT_HOST": host,  # the weight group's address, as the trainer's
                 **base,
                 "VERST_ENGINE_PORT": str(port),
-                "VERST_ENGINE_METRICS_PORT": str(metrics_port),
+                "VERST_ENGINE_METRICS_PORT": metrics_port,
                 "VERST_ENGINE_ENGINE_ID": f"engine-{index}",
             }
             children.append(
                 Child(f"engine-{index}", [*py, "services.rollout"], env, ("grpc", f"{host}:{port}"))
             )
         children += [
-            Child("router", [*py, "services.router"], {**base, "VERST_ROUTER_PORT": str(cfg.router_port)},
-                  ("grpc", router)),
+            Child("router", [*py, "services.router"], {**base, "VERST_ROUTER_PORT": str(cfg.router_port),
+                  "VERST_ROUTER_METRICS_PORT": self._metrics_port("router")}, ("grpc", router)),
             Child("runner", [*py, "services.runner"],
                   {**base, "VERST_RUNNER_PORT": str(cfg.runner_port), "VERST_RUNNER_ROUTER_ADDRESS": router,
-                   "VERST_RUNNER_REWARD_ADDRESS": reward},
+                   "VERST_RUNNER_REWARD_ADDRESS": reward,
+                   "VERST_RUNNER_METRICS_PORT": self._metrics_port("runner")},
                   ("grpc", f"{host}:{cfg.runner_port}")),
         ]  # fmt: skip
         controller = {"VERST_CONTROLLER_ROUTER_ADDRESS": router, "VERST_CONTROLLER_REWARD_ADDRESS": reward}
@@ -166,7 +177,9 @@ class Stack:
         if cfg.separate_controller:
             controller |= {
                 "VERST_CONTROLLER_PORT": str(cfg.controller_port),
-                "VERST_CONTROLLER_METRICS_PORT": str(cfg.controller_metrics_port),
+                "VERST_CONTROLLER_METRICS_PORT": self._metrics_port(
+                    "controller", cfg.controller_metrics_port
+                ),
             }
             address = f"{host}:{cfg.controller_port}"
             children.append(Child("controller", [*py, "services.controller"], {**base, **controller},
@@ -175,7 +188,13 @@ class Stack:
         else:
             api |= controller
         children.append(Child("api", [*py, "services.api"], api, ("http", f"{self.api_url}/healthz")))
+        self.metrics_ports["api"] = cfg.api_port
         return children
+
+    def _metrics_port(self, name: str, port: int = 0) -> str:
+        """The /metrics port of child ``name``: ``port``, or a free one when 0; recorded."""
+        self.metrics_ports[name] = port or free_port(self.config.host)
+        return str(self.metrics_ports[name])
 
     def _spawn(self, child: Child) -> None:
         log_path = service_log_path(self.config.log_dir, child.name)

@@ -50,6 +50,8 @@ def python_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONUNBUFFERED"] = "1"
     env["VERST_ENGINE_METRICS_PORT"] = "0"  # engines of parallel test runs must not fight over 9400
+    for service in ("ROUTER", "REWARD", "TRAINER", "RUNNER", "CONTROLLER"):  # nor others over theirs
+        env[f"VERST_{service}_METRICS_PORT"] = "0"
     return env
 
 

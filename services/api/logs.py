@@ -33,7 +33,7 @@ LISTED_SERVICES = 50
 
 ServiceName = Annotated[
     str,
-    PathParam(pattern=service_logs.SERVICE_NAME.pattern, description="e.g. api, trainer, engine-0, router"),
+    PathParam(pattern=service_logs.SERVICE_NAME.pattern, description="e.g. api, trainer-0, engine-0, router"),
 ]
 
 

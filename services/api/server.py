@@ -173,7 +173,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = require_redis_url(settings)
-        bus = Bus(connect(url, outage_s=settings.redis_outage_s))
+        bus = Bus(
+            connect(url, outage_s=settings.redis_outage_s, max_connections=settings.redis_max_connections)
+        )
         requests = request_client(url, settings)
         app.state.store = JobStore(requests, events_maxlen=settings.events_maxlen)
         app.state.metrics = ApiMetrics(settings.metrics_refresh_s)

@@ -27,6 +27,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=Path(args.log_dir),
         redis_dir=Path(args.redis_dir),
         engines=args.engines,
+        trainers=args.trainers,
         separate_controller=args.separate_controller,
     )
     stack = Stack(config)
@@ -34,7 +35,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting verst (logs in {config.log_dir}/) ...", file=progress, flush=True)
     stack.start()
     if args.json:
-        print(json.dumps({"api": stack.api_url, "redis": stack.redis_url, "log_dir": str(config.log_dir)}))
+        where = {"api": stack.api_url, "redis": stack.redis_url, "log_dir": str(config.log_dir)}
+        print(json.dumps({**where, "metrics_ports": stack.metrics_ports}))
         sys.stdout.flush()
     else:
         where = f"api {stack.api_url}  redis {stack.redis_url}"
@@ -69,11 +71,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
+def _count(value: str) -> int:
+    """A whole number of processes, 0 or more (argparse's error names the flag)."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {number}")
+    return number
+
+
 def add_up(commands: Subcommands) -> None:
     up = new_command(
         commands, "up", "start Redis and every service locally; Ctrl-C stops them", cmd_up, api=False
     )
     up.add_argument("--engines", type=int, default=1, help="rollout engines to start")
+    up.add_argument(
+        "--trainers",
+        type=_count,
+        default=1,
+        help="trainer processes to start: up to this many jobs train at once, the rest queue in order",
+    )
     up.add_argument("--log-dir", default=".verst/logs", help="one log file per service here")
     up.add_argument("--redis-dir", default=".verst/redis", help="embedded Redis persists here")
     up.add_argument(

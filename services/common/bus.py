@@ -20,10 +20,17 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, ResponseError
 
 from services.common.outage import DEFAULT_OUTAGE_S, RETRIED_ERRORS, OutageClock, OutageRetry
-from services.common.payloads import DATA_FIELD, TYPE_FIELD, decode_entry
+from services.common.payloads import (
+    DATA_FIELD,
+    TYPE_FIELD,
+    NonFiniteMetricError,
+    decode_entry,
+    non_finite_metrics,
+)
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams, dead_letter_stream
 
@@ -36,6 +43,10 @@ LATEST_SCAN = 16
 """Entries ``Bus.latest`` looks back over for a good one, past bad entries at the stream's end."""
 DEFAULT_MAXLEN = 1_000_000
 """Approximate cap on a stream's length; consumed entries are trimmed well before it."""
+DEFAULT_MAX_CONNECTIONS = 100
+"""Connections a client's pool may open at once (VERST_REDIS_MAX_CONNECTIONS)."""
+POOL_WAIT_S = 5.0
+"""Longest a command waits for a free pooled connection before the pool counts as exhausted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +70,46 @@ class _Rejected:
     no_replacement: bool = False
 
 
+class BoundedPool(aioredis.BlockingConnectionPool):
+    """redis-py's blocking pool: a command waits for a free connection up to its ``timeout``
+    (a burst of commands queues rather than fails), then fails with MaxConnectionsError, logged,
+    which says the pool ran dry and what to raise (redis-py's says "No connection available", a
+    ConnectionError that would pass for a Redis outage and be retried)."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except RedisConnectionError as err:
+            if not isinstance(err.__cause__, TimeoutError):  # a real connection failure
+                raise
+            text = (
+                f"Redis connection pool exhausted: all {self.max_connections} connections in use for "
+                f"{self.timeout}s (raise VERST_REDIS_MAX_CONNECTIONS, or look for a leak of blocking reads)"
+            )
+            log.error("%s", text)
+            raise MaxConnectionsError(text) from None
+
+
 def connect(
-    url: str, *, socket_timeout_s: float = 30.0, outage_s: float = DEFAULT_OUTAGE_S
+    url: str,
+    *,
+    socket_timeout_s: float = 30.0,
+    outage_s: float = DEFAULT_OUTAGE_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    pool_wait_s: float = POOL_WAIT_S,
 ) -> aioredis.Redis:
     """An asyncio Redis client that rides through Redis outages of up to ``outage_s``
     (services pass ``VERST_REDIS_OUTAGE_S``): services/common/outage.py.
 
-    ``socket_timeout_s`` bounds every reply; it must exceed any block timeout.
+    ``socket_timeout_s`` bounds every reply; it must exceed any block timeout. At most
+    ``max_connections`` are open at once (``VERST_REDIS_MAX_CONNECTIONS``); a command that finds
+    none free for ``pool_wait_s`` fails, saying so (BoundedPool).
     """
     clock = OutageClock(_server_name(url))
-    client = aioredis.Redis.from_url(
+    pool = BoundedPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=pool_wait_s,
         decode_responses=False,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
@@ -77,6 +117,7 @@ def connect(
         retry_on_error=list(RETRIED_ERRORS),
         health_check_interval=15,
     )
+    client = aioredis.Redis.from_pool(pool)
     clock.on_recovery = lambda: client.connection_pool.disconnect(inuse_connections=False)
     return client
 
@@ -95,7 +136,12 @@ def encode(message: Message) -> dict[bytes, bytes]:
 def metric_message(
     job_id: str, source: str, values: dict[str, float], *, step: int, policy_version: int
 ) -> common_pb2.Metric:
-    """A Metric of ``source`` time-stamped now (what ``Bus.publish_metric`` publishes)."""
+    """A Metric of ``source`` time-stamped now (what ``Bus.publish_metric`` publishes); raises
+    NonFiniteMetricError, naming them, for NaN or infinite values (a diverged loss fails its
+    producer's work, rather than poisoning the job's record and charts)."""
+    problem = non_finite_metrics(source, values)
+    if problem:
+        raise NonFiniteMetricError(f"job {job_id} step {step}: {problem}")
     metric = common_pb2.Metric(
         job_id=job_id, step=step, policy_version=policy_version, source=source, values=values
     )
@@ -123,8 +169,15 @@ class Bus:
         self.block_limit_ms = block_limit_ms or int(((timeout or 30.0) - 1.0) * 1000)
 
     @classmethod
-    def from_url(cls, url: str, *, outage_s: float = DEFAULT_OUTAGE_S, **kwargs: Any) -> Bus:
-        return cls(connect(url, outage_s=outage_s), **kwargs)
+    def from_url(
+        cls,
+        url: str,
+        *,
+        outage_s: float = DEFAULT_OUTAGE_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        **kwargs: Any,
+    ) -> Bus:
+        return cls(connect(url, outage_s=outage_s, max_connections=max_connections), **kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -235,6 +288,29 @@ class Bus:
         reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
         entries = reply[0][1] if reply else []
         return await self._decode_all(stream, group, consumer, message_type, entries, {})
+
+    async def read_many(
+        self,
+        streams: dict[str, type[Message]],
+        group: str,
+        consumer: str,
+        *,
+        count: int = 100,
+        block_ms: int = 1000,
+    ) -> dict[str, list[Delivery[Any]]]:
+        """New entries of several streams (each with its message type) for this consumer of one
+        group, in one XREADGROUP: one connection, waiting at most ``block_ms`` for the first entry
+        of any; at most ``count`` per stream. Every stream asked for has a list, maybe empty."""
+        if not 0 < block_ms <= self.block_limit_ms:
+            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        reply = await self.redis.xreadgroup(
+            group, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
+        )
+        got = {(name.decode() if isinstance(name, bytes) else name): entries for name, entries in reply or []}
+        return {
+            stream: await self._decode_all(stream, group, consumer, kind, got.get(stream, []), {})
+            for stream, kind in streams.items()
+        }
 
     async def reclaim(
         self,

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Generic
+from dataclasses import dataclass
+from typing import Any, Generic
+
+from google.protobuf.message import Message
+from redis.exceptions import ResponseError
 
 from services.common.bus import Bus, Delivery, M
 from services.common.outage import calm_since
+
+log = logging.getLogger(__name__)
 
 SCANS_PER_IDLE_BOUND = 5
 """A consumer looks for abandoned entries this many times per ``reclaim_idle_ms`` (at most every
@@ -20,6 +28,86 @@ def consumer_name(service: str) -> str:
     """A name unique to this process, so that a restart is a new consumer and the
     old one's pending entries are reclaimed rather than forgotten."""
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class _Waiter:
+    message_type: type[Message]
+    future: asyncio.Future[list[Delivery[Any]]]
+
+
+class SharedReads:
+    """One blocking XREADGROUP, on one connection, for the streams of many readers that share a
+    group and a consumer name (the controller's followers of every job), instead of one blocking
+    read, and one pooled connection held, per stream.
+
+    Each ``read`` joins the next round: a round reads every stream with a reader waiting, blocks
+    ``block_ms`` at most, and hands each of them its entries (maybe none); a reader that comes
+    during a round waits for the next, so a read returns within about two ``block_ms``. A round's
+    task runs while readers wait and ends when none does."""
+
+    def __init__(self, bus: Bus, group: str, consumer: str, *, block_ms: int = 500, count: int = 100) -> None:
+        self.bus = bus
+        self.group = group
+        self.consumer = consumer
+        self.block_ms = block_ms
+        self.count = count
+        self._waiting: dict[str, _Waiter] = {}
+        self._rounds: asyncio.Task[None] | None = None
+
+    async def read(self, stream: str, message_type: type[M]) -> list[Delivery[M]]:
+        """The stream's new entries of the next round (at most ``count``), maybe none."""
+        if stream in self._waiting:  # a second reader (a restarted driver's, its predecessor's
+            # follower still winding down) reads on its own rather than take the first one's place
+            return await self.bus.read(
+                stream, self.group, self.consumer, message_type, count=self.count, block_ms=self.block_ms
+            )
+        waiter = _Waiter(message_type, asyncio.get_running_loop().create_future())
+        self._waiting[stream] = waiter
+        if self._rounds is None or self._rounds.done():
+            self._rounds = asyncio.create_task(self._run(), name=f"shared reads of {self.group}")
+        try:
+            return await waiter.future
+        finally:
+            if self._waiting.get(stream) is waiter:
+                del self._waiting[stream]
+
+    async def _run(self) -> None:
+        while self._waiting:
+            batch = {stream: waiter for stream, waiter in self._waiting.items() if not waiter.future.done()}
+            if not batch:
+                await asyncio.sleep(0)  # their readers have not resumed yet
+                continue
+            await self._round(batch)
+
+    async def _round(self, batch: dict[str, _Waiter]) -> None:
+        """One XREADGROUP for the batch; when the server refuses it (a stream lost its group), each
+        stream again on its own, so that one stream's error reaches its own reader alone."""
+        types = {stream: waiter.message_type for stream, waiter in batch.items()}
+        try:
+            got = await self.bus.read_many(types, self.group, self.consumer, count=self.count,
+                                           block_ms=self.block_ms)  # fmt: skip
+        except ResponseError as err:
+            if len(batch) == 1:
+                _fail(batch, err)
+                return
+            for stream, waiter in batch.items():
+                await self._round({stream: waiter})
+            return
+        except Exception as err:  # an outage beyond its limit, a closed client: every reader's
+            _fail(batch, err)
+            return
+        for stream, waiter in batch.items():
+            if not waiter.future.done():
+                waiter.future.set_result(got[stream])
+            elif got[stream]:  # its reader is gone: the entries wait, pending, to be reclaimed
+                log.info("%s: %d entries read for a reader that left", stream, len(got[stream]))
+
+
+def _fail(batch: dict[str, _Waiter], err: Exception) -> None:
+    for waiter in batch.values():
+        if not waiter.future.done():
+            waiter.future.set_exception(err)
 
 
 class StreamConsumer(Generic[M]):
@@ -44,8 +132,11 @@ class StreamConsumer(Generic[M]):
         block_ms: int = 1000,
         reclaim_idle_ms: int = 5_000,
         reclaim_every_s: float | None = None,
+        shared: SharedReads | None = None,
     ) -> None:
         self.bus = bus
+        self.shared = shared
+        """Read new entries in the rounds of this (same group and consumer), not on our own."""
         self.stream = stream
         self.group = group
         self.consumer = consumer
@@ -80,6 +171,8 @@ class StreamConsumer(Generic[M]):
             if reclaimed:
                 self._next_reclaim = now  # more may be waiting: look again next poll
                 return reclaimed
+        if self.shared is not None:
+            return await self.shared.read(self.stream, self.message_type)
         return await self.bus.read(
             self.stream,
             self.group,

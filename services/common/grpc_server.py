@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from services.common.grpc_options import KEEPALIVE, KeepAlive
+from services.common.rpc_metrics import RpcMetrics
 from services.common.settings import ServiceSettings, load_settings, setup_logging
 
 log = logging.getLogger(__name__)
@@ -21,18 +23,26 @@ Register = Callable[[grpc.aio.Server], Iterable[str]]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
-def make_server(keepalive: KeepAlive = KEEPALIVE) -> grpc.aio.Server:
-    """A gRPC server that admits the pings of verst's channels (grpc_options.py)."""
-    return grpc.aio.server(options=keepalive.server_options())
+def make_server(
+    keepalive: KeepAlive = KEEPALIVE, *, registry: CollectorRegistry | None = None
+) -> grpc.aio.Server:
+    """A gRPC server that admits the pings of verst's channels (grpc_options.py); with a
+    ``registry``, every call it serves is timed there (rpc_metrics.py)."""
+    interceptors = [RpcMetrics(registry)] if registry is not None else []
+    return grpc.aio.server(options=keepalive.server_options(), interceptors=interceptors)
 
 
 def build_server(
-    register: Register | None = None, keepalive: KeepAlive = KEEPALIVE
+    register: Register | None = None,
+    keepalive: KeepAlive = KEEPALIVE,
+    *,
+    registry: CollectorRegistry | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, list[str]]:
     """A server holding what ``register`` adds, gRPC health and server reflection (so that
     `grpcurl list` and other reflection clients see every service); its health servicer and the
-    service names ``register`` returned. Not started, no port bound."""
-    server = make_server(keepalive)
+    service names ``register`` returned. Not started, no port bound. With a ``registry``, each
+    call's latency and status go there (``verst_rpc_seconds``)."""
+    server = make_server(keepalive, registry=registry)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(register(server)) if register else []
@@ -54,14 +64,16 @@ async def serve(
     register: Register | None = None,
     *,
     background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let calls finish, and return.
 
     ``background`` runs beside the server (a consumer loop, say) and receives
-    the shutdown event; it must return soon after the event is set.
+    the shutdown event; it must return soon after the event is set. ``registry``: where the
+    calls' latencies go (the registry the process's /metrics serves).
     """
     stop = shutdown_event()
-    server, health_servicer, names = build_server(register)
+    server, health_servicer, names = build_server(register, registry=registry)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     for name in ["", *names]:
@@ -92,9 +104,11 @@ async def _stop_worker(worker: asyncio.Task[None], grace_s: float) -> None:
         log.error("background work failed", exc_info=worker.exception())
 
 
-def run(settings: ServiceSettings, register: Register | None = None) -> None:
+def run(
+    settings: ServiceSettings, register: Register | None = None, registry: CollectorRegistry | None = None
+) -> None:
     """Blocking entry point for a service's ``__main__``."""
-    asyncio.run(serve(settings, register))
+    asyncio.run(serve(settings, register, registry=registry))
 
 
 def main(settings_type: type[ServiceSettings], register: Register | None = None) -> None:

@@ -40,6 +40,7 @@ from services.common import job_scripts
 from services.common.bus import DEFAULT_MAXLEN, encode
 from services.common.config import JobSpec, JobSpecError, parse_job_spec
 from services.common.events import DEFAULT_EVENTS_MAXLEN, EventLog, metrics_event, state_event
+from services.common.payloads import NonFiniteMetricError, non_finite_metrics
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JOB_INDEX, JOBS, PREFIX, JobStreams, job_key
 
@@ -425,7 +426,11 @@ class JobStore:
     ) -> None:
         """``merge_metrics`` of several rows, in order, in one transaction; ``acked``: entries of
         the job's metrics stream that these rows came from, acked for the controller's group in
-        the same MULTI, so that none is merged twice or acked unmerged."""
+        the same MULTI, so that none is merged twice or acked unmerged. Raises
+        NonFiniteMetricError, writing nothing, when a row holds NaN or an infinity."""
+        for row in rows:
+            if problem := non_finite_metrics(row.source, row.values):
+                raise NonFiniteMetricError(f"job {job_id} step {row.step}: {problem}")
         key, history = job_key(job_id), job_history_key(job_id)
 
         async def merge(pipe: Any) -> None:

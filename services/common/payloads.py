@@ -17,6 +17,7 @@ not a newer producer.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -157,9 +158,20 @@ def _trainer_signal(signal: common_pb2.TrainerSignal, stream_job: str | None) ->
     return _job_problem(signal.job_id, stream_job)
 
 
+class NonFiniteMetricError(ValueError):
+    """A metric value is NaN or infinite: refused where it is made and where it is kept."""
+
+
+def non_finite_metrics(source: str, values: Mapping[str, float]) -> str | None:
+    """Which of a metric row's values are not finite numbers (JSON, the charts and the trackers
+    have no NaN or infinity), named as ``source/name=value``; None when all are."""
+    bad = [f"{source}/{name}={value}" for name, value in sorted(values.items()) if not math.isfinite(value)]
+    return f"metric values must be finite numbers, not {', '.join(bad)}" if bad else None
+
+
 @_check(common_pb2.Metric)
 def _metric(metric: common_pb2.Metric, stream_job: str | None) -> str | None:
-    return _job_problem(metric.job_id, stream_job)
+    return _job_problem(metric.job_id, stream_job) or non_finite_metrics(metric.source, metric.values)
 
 
 @_check(common_pb2.DeadLetter)

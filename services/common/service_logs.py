@@ -1,7 +1,7 @@
 """Where a service's log file lies and how much of it is read back.
 
 The local stack (services/stack.py, `verst up`) writes each child's stdout and stderr to
-``{log_dir}/{name}.log`` (``api``, ``trainer``, ``engine-0``, ...); the api serves the end of them
+``{log_dir}/{name}.log`` (``api``, ``trainer-0``, ``engine-0``, ...); the api serves the end of them
 (``GET /v1/services/{name}/logs``, services/api/logs.py). Reads are bounded: at most ``lines``
 lines, each cut to MAX_LINE_BYTES, read from the end in blocks.
 """

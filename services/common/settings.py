@@ -2,7 +2,8 @@
 
 Each service subclasses ``ServiceSettings`` with its own prefix
 (``VERST_ROUTER_PORT``, ``VERST_REWARD_PORT``, ...). ``REDIS_URL``,
-``VERST_REDIS_OUTAGE_S``, ``VERST_LOG_LEVEL`` and ``VERST_EVENTS_MAXLEN`` are shared by all.
+``VERST_REDIS_OUTAGE_S``, ``VERST_REDIS_MAX_CONNECTIONS``, ``VERST_LOG_LEVEL`` and
+``VERST_EVENTS_MAXLEN`` are shared by all.
 compose/ uses exactly these names.
 """
 
@@ -15,6 +16,7 @@ from typing import ClassVar, TypeVar
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.bus import DEFAULT_MAX_CONNECTIONS
 from services.common.events import DEFAULT_EVENTS_MAXLEN
 from services.common.outage import DEFAULT_OUTAGE_S
 
@@ -37,6 +39,13 @@ class ServiceSettings(BaseSettings):
         DEFAULT_OUTAGE_S, ge=1.0, le=86_400.0, validation_alias=AliasChoices("VERST_REDIS_OUTAGE_S")
     )
     """Seconds a Redis outage is ridden through (calls retried); beyond it the jobs fail."""
+    redis_max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS,
+        ge=8,
+        le=100_000,
+        validation_alias=AliasChoices("VERST_REDIS_MAX_CONNECTIONS"),
+    )
+    """Redis connections this process may hold open at once; one more fails at once, saying so."""
     log_level: str = Field(
         "INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", validation_alias=AliasChoices("VERST_LOG_LEVEL")
     )

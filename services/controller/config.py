@@ -32,6 +32,8 @@ class ControllerSettings(RolloutClientSettings):
     """How long a queued job may wait for its first checkpoint (v0) before it fails."""
     stall_timeout_s: float = Field(600.0, ge=1.0, le=7 * 86_400.0)
     """How long a running job may go without a new policy version before it fails."""
+    abort_timeout_s: float = Field(5.0, ge=0.1, le=600.0)
+    """Deadline of the router's AbortJob when a job ends: its requests dropped on every engine at once."""
     eval_engine_timeout_s: float = Field(300.0, ge=0.1, le=86_400.0)
     """How long an evaluation waits for an engine to serve the version it evaluates."""
     eval_concurrency: int = Field(16, ge=1, le=4096)

@@ -19,11 +19,11 @@ import logging
 import time
 
 from services.common.bus import Bus
-from services.common.consumer import consumer_name
+from services.common.consumer import SharedReads, consumer_name
 from services.common.jobs import FAILED, QUEUED, ActiveJob, JobNotFoundError, JobStore
 from services.common.outage import RedisOutageError, wait_until_up
 from services.controller.config import ControllerSettings
-from services.controller.driver import DriverDeps, JobDriver, queue_timeout_reason
+from services.controller.driver import GROUP, DriverDeps, JobDriver, queue_timeout_reason
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
 
@@ -33,6 +33,9 @@ RESTART_DELAY_S = 5.0
 """Pause before a crashed driver of a still-active job is started again."""
 STOP_TIMEOUT_S = 10.0
 """How long a stopping driver may take to wind down before it is cancelled."""
+SHARED_BLOCK_MS = 200
+"""Longest block of the one read that serves every job's followers (the metrics follower, the
+quickest, used to block this long on its own)."""
 
 
 class Controller:
@@ -60,7 +63,8 @@ class Controller:
         self.last_poll = time.monotonic()
         """time.monotonic() when the last poll finished, well or not (/healthz watches it)."""
         self.stubs = ServiceStubs(settings.router_address, settings.reward_address)
-        self._deps = DriverDeps(bus, store, self.stubs, settings, metrics, self.consumer)
+        reads = SharedReads(bus, GROUP, self.consumer, block_ms=SHARED_BLOCK_MS)
+        self._deps = DriverDeps(bus, store, self.stubs, settings, metrics, self.consumer, reads)
 
     @property
     def driven_jobs(self) -> list[str]:
@@ -114,7 +118,7 @@ class Controller:
             if job_id not in active:
                 del self._drivers[job_id]
                 if not task.done():
-                    driver.stop()
+                    driver.stop(ended=True)  # cancelled (or ended) elsewhere
                     self._stopping.add(task)
                     task.add_done_callback(self._stopping.discard)
             elif task.done():

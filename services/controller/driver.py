@@ -31,8 +31,9 @@ dead-lettered (stages 2-3) and a group the trainer dropped (stage 4) each get on
 In any phase the trainer's FAILED (CANCELLED) status, or one failure repeated
 in the job's dead letters without a new version between them (dead_letters.py),
 ends the job FAILED (CANCELLED) with the reason, and ``stop`` ends the driver
-without touching the job's state. Every loop checks a stop flag, because a cancellation
-can be lost inside redis-py on Python 3.11 (asyncio.wait_for).
+without touching the job's state. A job that ended (here, or elsewhere: a cancel) has its
+requests dropped on every engine (the router's AbortJob) as the driver winds down. Every loop
+checks a stop flag, because a cancellation can be lost inside redis-py on Python 3.11 (asyncio.wait_for).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.bus import Bus, Delivery, metric_message
-from services.common.consumer import StreamConsumer
+from services.common.consumer import SharedReads, StreamConsumer
 from services.common.events import dead_letter_event, warning_event
 from services.common.housekeeping import tend_job, tidy_ended_job
 from services.common.job_tokenizer import load_job_tokenizer
@@ -114,6 +115,9 @@ class DriverDeps:
     metrics: ControllerMetrics
     consumer: str
     """Consumer name on the job streams (unique per process)."""
+    reads: SharedReads | None = None
+    """The blocking reads of every job's followers, in one (None: one per follower): a pooled
+    connection each would run the pool dry at a few dozen jobs."""
 
 
 class JobDriver:
@@ -141,6 +145,7 @@ class JobDriver:
         self._outcome: asyncio.Future[Outcome] = loop.create_future()
         self._stopping = asyncio.Event()
         self._halted = asyncio.Event()  # set by stop: nothing more is written, not the outcome either
+        self._ended_elsewhere = False
         self._draining = False
         self._wake = asyncio.Event()
         """Set when the feed may have more to do: a new version, or lost groups."""
@@ -161,8 +166,10 @@ class JobDriver:
         self._metrics_task: asyncio.Future[None] = loop.create_future()
         """The metrics follower, which drains what is published when the driver winds down."""
 
-    def stop(self) -> None:
-        """Wind down without touching the job's state (it was cancelled, or the api stops)."""
+    def stop(self, *, ended: bool = False) -> None:
+        """Wind down without touching the job's state (it was cancelled, or the api stops);
+        ``ended``: the job ended elsewhere (a cancel), so its requests are dropped on the engines."""
+        self._ended_elsewhere = ended
         self._halted.set()
         self._conclude(None)
 
@@ -187,7 +194,7 @@ class JobDriver:
         except RedisOutageError as err:  # beyond VERST_REDIS_OUTAGE_S: the job fails
             self._fail(str(err))
         finally:
-            await self._wind_down()
+            await asyncio.gather(self._wind_down(), self._drop_requests())
         outcome = self._outcome.result() if self._outcome.done() else None
         if outcome is None or not await wait_until_up(self.deps.bus.redis, self._halted):
             log.info("%s: stopped driving", self.job_id)
@@ -498,6 +505,13 @@ class JobDriver:
                 "%s: %d helper tasks still running after %.0fs", self.job_id, len(late), DRAIN_TIMEOUT_S
             )
 
+    async def _drop_requests(self) -> None:
+        """A job that ended (here or elsewhere: a cancel) has its requests dropped on every engine
+        at once, so that the next job's weights do not wait for them to finish."""
+        outcome = self._outcome.result() if self._outcome.done() else None
+        if outcome is not None or self._ended_elsewhere:
+            await self.deps.stubs.abort_job(self.job_id, self.settings.abort_timeout_s)
+
     async def _watchdog(self) -> None:
         """Fail a job that waits too long for v0, or whose trainer stops making versions."""
         while not self._stopping.is_set():
@@ -525,6 +539,7 @@ class JobDriver:
             message_type,
             block_ms=block_ms,
             reclaim_idle_ms=self.settings.reclaim_idle_ms,
+            shared=self.deps.reads,
         )
 
     async def _follow(

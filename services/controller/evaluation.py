@@ -9,6 +9,14 @@ greedily, and with ``eval.samples_per_prompt`` = n also samples n answers at
 What it reports of each set (accuracy, reward_mean, mean@n, pass@k, errors) is eval_scores.py's;
 an answer that could not be generated or scored counts as wrong and is counted in ``errors``.
 
+Every Generate of an evaluation names the version it evaluates (``min_policy_version``: the
+version the engines serve as it starts), so an engine still on an older one waits for it or
+refuses and the router asks another: one evaluation is not a mixture of a lagging engine's old
+weights and the new ones. It is labelled with the oldest policy version among its answers'
+tokens, as the engines report them (``served_version``, also the row's step; the newest is
+``served_version_max``, above it only when a newer version loaded while it ran): the version
+that actually answered, never the one the controller expected.
+
 A call whose engine, router or reward service failed or went away (``RETRYABLE``) is made
 again, ``attempts`` times in all, after a pause that doubles and, for a Generate, once an
 engine serves the version again: the router sends it to a live engine, another one when the
@@ -200,13 +208,15 @@ class Evaluator:
         self, version: int, sets: Sequence[EvalSet], tokenizer: Any, *, served: int | None = None
     ) -> EvalResult:
         """Answers to every prompt of ``sets`` by engines serving ``version`` or newer, scored.
-        ``served``: the version the engines serve as it starts, which names its requests."""
-        label = f"v{version if served is None else served}"
+        ``served``: the version the engines serve as it starts, which names its requests and is
+        the version each of them needs (else ``version``)."""
+        needed = version if served is None else served
+        label = f"v{needed}"
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
                     s.name: [
-                        group.create_task(self._answer(s, index, label, version, tokenizer))
+                        group.create_task(self._answer(s, index, label, needed, tokenizer))
                         for index in range(len(s.examples))
                     ]
                     for s in sets
@@ -279,6 +289,7 @@ class Evaluator:
                 sampling=sampling,
                 session_id=request_id,  # a new session: no affinity to an engine that failed
                 job_id=self.job_id,
+                min_policy_version=version,  # an engine still on older weights waits, or refuses
             )
             async with self._slots:
                 return await self.router.Generate(request, timeout=self.spec.rollout.request_timeout_s)

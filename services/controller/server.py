@@ -8,6 +8,7 @@ Run one: two controllers would both drive every job. The api then runs with
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from services.common.bus import Bus, connect
@@ -22,10 +23,13 @@ from services.controller.telemetry import ControllerMetrics
 log = logging.getLogger(__name__)
 
 
-async def drive_jobs(settings: ControllerSettings, redis_url: str, stop: asyncio.Event) -> None:
+async def drive_jobs(
+    settings: ControllerSettings, redis_url: str, metrics: ControllerMetrics, stop: asyncio.Event
+) -> None:
     """Run the controller until ``stop``, with its metrics served meanwhile."""
-    metrics = ControllerMetrics()
-    bus = Bus(connect(redis_url, outage_s=settings.redis_outage_s))
+    bus = Bus(
+        connect(redis_url, outage_s=settings.redis_outage_s, max_connections=settings.redis_max_connections)
+    )
     port_setting = ControllerSettings.env_name("metrics_port")
     try:
         with serving_metrics(
@@ -41,4 +45,6 @@ def main() -> None:
     settings = load_settings(ControllerSettings)
     setup_logging(settings.service_name, settings.log_level)
     redis_url = require_redis_url(settings)
-    asyncio.run(serve(settings, background=lambda stop: drive_jobs(settings, redis_url, stop)))
+    metrics = ControllerMetrics()  # the gRPC server's calls are timed there too
+    drive = functools.partial(drive_jobs, settings, redis_url, metrics)
+    asyncio.run(serve(settings, background=drive, registry=metrics.registry))

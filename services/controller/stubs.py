@@ -8,7 +8,7 @@ import grpc
 
 from services.common.config import JobSpec
 from services.common.grpc_client import Channels
-from services.common.pb import reward_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common.pb import reward_pb2_grpc, rollout_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,22 @@ class ServiceStubs:
             return None
         versions = [engine.policy_version for engine in reply.engines if engine.job_id == job_id]
         return min(versions) if versions else None
+
+    async def abort_job(self, job_id: str, timeout_s: float) -> None:
+        """Ask the router to drop an ended job's requests on every engine at once; a failure is
+        logged, not raised (the requests then end with their own deadlines)."""
+        request = rollout_pb2.AbortJobRequest(job_id=job_id)
+        try:
+            reply = await self.router().AbortJob(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.warning("%s: router AbortJob failed: %s: %s", job_id, err.code().name, err.details())
+            return
+        failed = ", ".join(reply.failed_engine_ids)
+        log.log(
+            logging.WARNING if failed else logging.INFO,
+            "%s: %d requests aborted on %d engines%s",
+            *(job_id, reply.aborted, len(reply.engine_ids), f"; no answer from {failed}" if failed else ""),
+        )
 
     async def close(self) -> None:
         await self._channels.close()

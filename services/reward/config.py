@@ -25,6 +25,10 @@ class RewardSettings(ServiceSettings):
     a slower one yields ScoreResponse.error."""
     score_workers: int = Field(4, ge=1, le=1024)
     """Threads that run verifiers and sync plugins (a ScoreBatch's items are scored concurrently)."""
+    metrics_port: int = Field(9463, ge=0, le=65535)
+    """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
+    metrics_enabled: bool = True
+    """Serve /metrics (items, errors and seconds per verifier, RPC latency)."""
 
     numeric_rel_tol: float = Field(1e-6, ge=0.0, lt=1.0)
     """`numeric` verifier: relative tolerance between the response's last number and the answer."""

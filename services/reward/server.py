@@ -26,16 +26,20 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.common.grpc_server import run
+from services.common.metrics_http import serving_metrics
 from services.common.pb import reward_pb2, reward_pb2_grpc
-from services.common.settings import load_settings
+from services.common.settings import load_settings, setup_logging
 from services.reward import tools
 from services.reward.config import RewardSettings
 from services.reward.plugins import PluginError, PluginResultError, Plugins, is_plugin
+from services.reward.telemetry import UNKNOWN, RewardMetrics
 from services.reward.verifiers import (
     Verifier,
     VerifierOptions,
@@ -103,6 +107,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         settings: RewardSettings,
         verifiers: Mapping[str, Verifier] | None = None,
         quick: frozenset[str] | None = None,
+        metrics: RewardMetrics | None = None,
     ) -> None:
         if verifiers is None:
             verifiers = builtin_verifiers(verifier_options(settings))
@@ -112,6 +117,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._verifiers = dict(verifiers)
         self._default = settings.default_verifier
         self._timeout_s = settings.score_timeout_s
+        self.metrics = metrics or RewardMetrics()
         self._executor = ThreadPoolExecutor(settings.score_workers, thread_name_prefix="verifier")
         self._plugins = Plugins(
             self._executor, enabled=settings.plugins_enabled, modules=settings.plugin_modules
@@ -148,8 +154,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         """Score these items (of quick verifiers) one after another in one pool job within
         ``timeout_s``: the items done fill ``results``, the one running at the deadline gets a
         timeout, and those not started are left None."""
-        outcomes: list[VerifierResult | Exception] = []
+        outcomes: list[tuple[VerifierResult | Exception, float]] = []
         stop = threading.Event()
+        started = time.perf_counter()
 
         def run() -> None:
             for i in indices:
@@ -157,10 +164,12 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     return
                 item = items[i]
                 verifier = self._verifiers[item.verifier or self._default]
+                began = time.perf_counter()
                 try:
-                    outcomes.append(verifier(item.response_text, item.answer, dict(item.metadata)))
+                    outcome = verifier(item.response_text, item.answer, dict(item.metadata))
                 except Exception as err:  # the item's failure, not the batch's
-                    outcomes.append(err)
+                    outcome = err
+                outcomes.append((outcome, time.perf_counter() - began))
 
         job = asyncio.get_running_loop().run_in_executor(self._executor, run)
         timed_out = False
@@ -170,22 +179,34 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             stop.set()
             timed_out = True
         done = list(outcomes)  # the job may still append the item it was running
-        for i, outcome in zip(indices, done, strict=False):
-            results[i] = self._response(items[i], outcome, timeout_s)
+        for i, (outcome, seconds) in zip(indices, done, strict=False):
+            results[i] = self._response(items[i], outcome, timeout_s, seconds)
         if timed_out and len(done) < len(indices):
-            results[indices[len(done)]] = self._response(items[indices[len(done)]], TimeoutError(), timeout_s)
+            running_s = time.perf_counter() - started - sum(seconds for _, seconds in done)
+            late = items[indices[len(done)]]
+            results[indices[len(done)]] = self._response(late, TimeoutError(), timeout_s, running_s)
 
     def _response(
-        self, request: reward_pb2.ScoreRequest, outcome: VerifierResult | Exception, timeout_s: float
+        self,
+        request: reward_pb2.ScoreRequest,
+        outcome: VerifierResult | Exception,
+        timeout_s: float,
+        seconds: float,
     ) -> reward_pb2.ScoreResponse:
-        """The response for a verifier's result, or for its failure (logged)."""
+        """The response for a verifier's result, or for its failure (logged); either is counted,
+        with the ``seconds`` it took."""
         name = request.verifier or self._default
         what = f"plugin {name!r}" if is_plugin(name) else f"verifier {name!r}"
+        label = name if name in self._verifiers or is_plugin(name) else UNKNOWN
         if not isinstance(outcome, Exception):
             try:
-                return to_response(outcome)
+                response = to_response(outcome)
             except VerifierOutputError as err:
                 outcome = err
+            else:
+                self.metrics.scored(label, seconds, None)
+                return response
+        self.metrics.scored(label, seconds, outcome)
         message = failure_message(what, outcome, timeout_s)
         log.warning("trajectory %r: %s", request.trajectory_id, message)
         return error_response(message)
@@ -228,14 +249,15 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         becomes a response with ``error`` set."""
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         name = request.verifier or self._default
+        started = time.perf_counter()
         try:
             if is_plugin(name):
                 result = await self._plugins.score(name, request, timeout_s)
             else:
                 result = await self._verify(name, request, timeout_s)
         except Exception as err:  # a verifier's bug must not fail the call or the batch
-            return self._response(request, err, timeout_s)
-        return self._response(request, result, timeout_s)
+            return self._response(request, err, timeout_s, time.perf_counter() - started)
+        return self._response(request, result, timeout_s, time.perf_counter() - started)
 
     async def _verify(self, name: str, request: reward_pb2.ScoreRequest, timeout_s: float) -> VerifierResult:
         verifier = self._verifiers.get(name)
@@ -268,12 +290,27 @@ def failure_message(what: str, err: Exception, timeout_s: float) -> str:
     return f"{what} failed: {type(err).__name__}: {err}"
 
 
-def register(server: grpc.aio.Server, settings: RewardSettings | None = None) -> list[str]:
+def register(
+    server: grpc.aio.Server, settings: RewardSettings | None = None, metrics: RewardMetrics | None = None
+) -> list[str]:
     """Add the Reward servicer, and the Tools one unless ``tools_enabled`` is off, to ``server``;
     returns their service names for health checks.
 
-    ``settings`` defaults to the environment's (VERST_REWARD_*).
+    ``settings`` defaults to the environment's (VERST_REWARD_*); ``metrics``: where the
+    servicer counts its items (a registry of its own when None).
     """
     settings = settings if settings is not None else load_settings(RewardSettings)
-    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(settings), server)
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(settings, metrics=metrics), server)
     return [SERVICE_NAME, *(tools.register(server, settings) if settings.tools_enabled else [])]
+
+
+def main() -> None:
+    """``python -m services.reward``: settings from the environment, /metrics, then serve."""
+    settings = load_settings(RewardSettings)
+    setup_logging(settings.service_name, settings.log_level)
+    metrics = RewardMetrics()
+    port_setting = RewardSettings.env_name("metrics_port")
+    with serving_metrics(
+        metrics.registry, settings.host, settings.metrics_port, settings.metrics_enabled, setting=port_setting
+    ):
+        run(settings, lambda server: register(server, settings, metrics), registry=metrics.registry)

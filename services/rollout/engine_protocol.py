@@ -199,6 +199,17 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class TokenCountingEngine(Protocol):
+    """A backend that reports tokens as it samples them (the torch engine: once per decode step),
+    so that the engine's token counter and rate move during a long generation. Other backends'
+    tokens are counted when each sample finishes (SGLang's ``/generate`` answers whole samples)."""
+
+    def count_tokens(self, counter: Callable[[int], None]) -> None:
+        """Call ``counter(n)`` (from any thread) with each batch of ``n`` tokens sampled from now on."""
+        ...
+
+
+@runtime_checkable
 class AdapterEngine(Protocol):
     """A backend that serves LoRA adapters (a handle with ``adapter`` set): the torch engine.
     A backend without ``load_adapter`` refuses such handles (``transport.serve_adapter``)."""

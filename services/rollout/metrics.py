@@ -1,7 +1,11 @@
 """Prometheus metrics of one rollout engine, and the HTTP server that exposes them.
 
-Counts are made where the servicer hands completions to its callers and where weight
-loads finish, so the torch and the SGLang backends report the same series. Load and
+Generated tokens are counted as the backend samples them when it can say so (a
+``TokenCountingEngine``: the torch engine, once per decode step), so the counter and the rate move
+during long generations; a backend that learns of tokens only with a finished sample (SGLang's
+``/generate`` answers whole samples) has them counted where the servicer hands that sample to its
+caller. Completions are counted there, and weight loads where they finish, so the torch and the
+SGLang backends report the same series. Load and
 queue gauges are read from the engine's ``status()`` at scrape time, never cached.
 Each engine has a registry of its own, so tests can run several in one process.
 """
@@ -19,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.common.pb import common_pb2
-from services.rollout.engine_protocol import EngineStatus
+from services.rollout.engine_protocol import EngineStatus, TokenCountingEngine
 from services.rollout.watcher import LoadReport
 from services.rollout.weights import CheckpointError
 
@@ -150,11 +154,25 @@ class EngineMetrics:
             "Handles offered over a weight group but served from their files (timeout, mismatch, ...).",
             registry=self.registry,
         )
+        self.counts_at_completion = True
+        """Whether a sample's tokens are counted when it finishes (False: as they are sampled)."""
 
-    def completed(self, tokens: int, finish_reason: int) -> None:
-        """One sample was handed to its caller (or dropped because the caller left)."""
+    def follow_sampling(self, engine: object) -> None:
+        """Count ``engine``'s tokens as it samples them, when it can report them so."""
+        if isinstance(engine, TokenCountingEngine):
+            engine.count_tokens(self.sampled)
+            self.counts_at_completion = False
+
+    def sampled(self, tokens: int) -> None:
+        """``tokens`` new tokens were sampled (any thread: the counter and the rate are thread-safe)."""
         self.generated_tokens.inc(tokens)
         self.rate.add(tokens)
+
+    def completed(self, tokens: int, finish_reason: int) -> None:
+        """One sample was handed to its caller (or dropped because the caller left); its tokens
+        count now unless they were counted as they were sampled."""
+        if self.counts_at_completion:
+            self.sampled(tokens)
         self.completions.labels(finish_reason=finish_reason_label(finish_reason)).inc()
 
     def first_token(self, seconds: float) -> None:

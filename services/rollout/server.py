@@ -73,6 +73,7 @@ class EngineApp:
         engine_id = settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
         self.info = EngineInfoSource(engine, engine_id, advertised_address(settings))
         self.metrics = EngineMetrics(engine.status)
+        self.metrics.follow_sampling(engine)
         self.receiver = receiver_for(settings, engine, engine_id)
         self.info.weight_transports = (FILESYSTEM, DISTRIBUTED) if self.receiver else (FILESYSTEM,)
         self.loader = MeteredWeightLoader(engine, settings.weight_load_timeout_s, self.metrics, self.receiver)
@@ -128,7 +129,11 @@ def receiver_for(settings: EngineSettings, engine: Engine, engine_id: str) -> Br
 
 
 async def serve_engine(settings: EngineSettings) -> None:
-    redis = connect(require_redis_url(settings), outage_s=settings.redis_outage_s)
+    redis = connect(
+        require_redis_url(settings),
+        outage_s=settings.redis_outage_s,
+        max_connections=settings.redis_max_connections,
+    )
     try:
         engine = await ENGINE_BACKENDS.resolve(settings.backend).fn(settings)
         if engine is None:
@@ -142,7 +147,7 @@ async def serve_engine(settings: EngineSettings) -> None:
                 settings.metrics_enabled,
                 setting="VERST_ENGINE_METRICS_PORT",
             ):
-                await serve(settings, app.register, background=app.run)
+                await serve(settings, app.register, background=app.run, registry=app.metrics.registry)
         finally:
             await engine.close()
     finally:

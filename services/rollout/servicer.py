@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
@@ -30,10 +31,18 @@ from services.rollout.watcher import WeightLoader
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "verst.v1.Rollout"
+ENDED_JOBS_KEPT = 1024
+"""Ended jobs an engine remembers (AbortJob), to refuse their late requests; the oldest is forgotten first."""
+
+
+class JobEndedError(RuntimeError):
+    """Generate for a job that AbortJob ended here: its runners are stopping, nothing waits for it."""
+
 
 STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NoWeightsError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready yet: the caller may retry
     (WrongJobError, grpc.StatusCode.FAILED_PRECONDITION),  # not ready for this job yet
+    (JobEndedError, grpc.StatusCode.FAILED_PRECONDITION),  # another engine cannot serve it either
     (StaleWeightsError, grpc.StatusCode.FAILED_PRECONDITION),  # the version it needs is not loaded yet
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # bad input; CheckpointError is one too
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -146,6 +155,39 @@ async def next_delivered(queue: asyncio.Queue[Delivered]) -> list[Completion | T
     return delivered
 
 
+class JobRequests:
+    """The requests in flight by job, and the jobs that ended here (event loop only)."""
+
+    def __init__(self, kept: int = ENDED_JOBS_KEPT) -> None:
+        self._by_job: dict[str, set[GenerationRequest]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self.kept = kept
+
+    def check(self, job_id: str) -> None:
+        """Raise JobEndedError when ``job_id`` ended here."""
+        if job_id and job_id in self._ended:
+            raise JobEndedError(f"job {job_id!r} ended: its requests are refused")
+
+    def add(self, request: GenerationRequest) -> None:
+        if request.job_id:
+            self._by_job.setdefault(request.job_id, set()).add(request)
+
+    def discard(self, request: GenerationRequest) -> None:
+        requests = self._by_job.get(request.job_id)
+        if requests is not None:
+            requests.discard(request)
+            if not requests:
+                del self._by_job[request.job_id]
+
+    def end(self, job_id: str) -> list[str]:
+        """Mark ``job_id`` ended; the ids of its requests in flight."""
+        self._ended[job_id] = None
+        self._ended.move_to_end(job_id)
+        while len(self._ended) > self.kept:
+            self._ended.popitem(last=False)
+        return sorted({request.request_id for request in self._by_job.get(job_id, ())})
+
+
 class EngineInfoSource:
     """Builds this engine's EngineInfo (GetStatus, the registry heartbeat) from its live status."""
 
@@ -178,13 +220,14 @@ class EngineInfoSource:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """Generate, GenerateBatch, GenerateStream, LoadWeights, Abort, Pause, Resume and GetStatus
-    over an Engine.
+    """Generate, GenerateBatch, GenerateStream, LoadWeights, Abort, AbortJob, Pause, Resume and
+    GetStatus over an Engine.
 
     Generate answers FAILED_PRECONDITION before the first checkpoint, when the request
     names a job (job_id) other than the one whose weights are served, and when it needs a newer
     version (min_policy_version) than loads within ``version_wait_s``. resume_offset is only
     checked: the engine conditions on the whole prompt, and max_new_tokens counts new tokens.
+    After AbortJob it answers FAILED_PRECONDITION to the job's requests.
     """
 
     def __init__(
@@ -206,14 +249,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.info = info
         self.metrics = metrics
         self.engine_id = info.engine_id
+        self.jobs = JobRequests()
 
     async def _submit(
         self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
     ) -> tuple[GenerationRequest, asyncio.Queue[Delivered]]:
         """Validate and queue a request; raises what the engine raises (see STATUS_CODES)."""
         generation, queue = await self._prepare(request, stream=stream)
-        self.engine.submit(generation)
+        self._submit_now(generation)
         return generation, queue
+
+    def _submit_now(self, generation: GenerationRequest) -> None:
+        """Hand a prepared request to the engine, unless its job ended (checked again: the
+        request may have waited for its version); tracked by job until its caller is answered."""
+        self.jobs.check(generation.job_id)
+        self.engine.submit(generation)
+        self.jobs.add(generation)
 
     async def _prepare(
         self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
@@ -221,6 +272,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         """Validate a request and wait for the version it needs; raises ValueError or
         StaleWeightsError. The request is not submitted yet."""
         config = SamplingConfig.from_proto(request.sampling)
+        self.jobs.check(request.job_id)
         if not 0 <= request.resume_offset <= len(request.prompt_token_ids):
             raise ValueError(
                 f"resume_offset {request.resume_offset} is outside the prompt's "
@@ -268,7 +320,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         try:
             if isinstance(prepared, BaseException):
                 raise prepared
-            self.engine.submit(prepared[0])
+            self._submit_now(prepared[0])
         except Exception as err:
             failed: asyncio.Future[rollout_pb2.GenerateResponse] = asyncio.get_running_loop().create_future()
             failed.set_exception(err)
@@ -288,6 +340,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         except asyncio.CancelledError:  # the caller's deadline passed or it went away
             self.engine.cancel(generation)
             raise
+        finally:
+            self.jobs.discard(generation)
         completions.sort(key=lambda completion: completion.index)
         first = generation.first_token_at
         return rollout_pb2.GenerateResponse(
@@ -320,6 +374,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             except asyncio.CancelledError:
                 self.engine.cancel(generation)
                 raise
+            finally:
+                self.jobs.discard(generation)
 
     def _chunks(
         self, request_id: str, items: list[Completion | TokenIncrement], streamed: dict[int, int]
@@ -367,6 +423,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         async with engine_errors(context):
             aborted = await self.engine.abort(request.request_ids, all_requests=request.all)
         return rollout_pb2.AbortResponse(aborted=aborted)
+
+    async def AbortJob(
+        self, request: rollout_pb2.AbortJobRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortJobResponse:
+        """The job ended: abort its requests in flight here (queued ones end at once, running ones
+        at the next decode step, with their tokens) and refuse its new ones."""
+        if not request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+        request_ids = self.jobs.end(request.job_id)
+        async with engine_errors(context):
+            aborted = await self.engine.abort(request_ids) if request_ids else 0
+        if aborted:
+            log.info("engine %s: job %s ended; aborted %d requests", self.engine_id, request.job_id, aborted)
+        return rollout_pb2.AbortJobResponse(aborted=aborted)
 
     async def Pause(
         self, request: rollout_pb2.PauseRequest, context: grpc.aio.ServicerContext

@@ -24,3 +24,7 @@ class RouterSettings(ServiceSettings):
     """Engines tried for one request before it fails (a retry goes to another engine)."""
     default_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
     """Deadline of a forwarded call when the caller set none."""
+    metrics_port: int = Field(9461, ge=0, le=65535)
+    """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
+    metrics_enabled: bool = True
+    """Serve /metrics (requests routed per engine, engines in view, samples in flight, RPC latency)."""

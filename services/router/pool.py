@@ -144,6 +144,10 @@ class EnginePool:
     def is_drained(self, engine_id: str) -> bool:
         return engine_id in self._drained
 
+    def links(self) -> list[EngineLink]:
+        """Every engine in the view now, drained ones included."""
+        return list(self._links.values())
+
     def engine_ids(self) -> list[str]:
         """Engines in the view now (for tests and logs)."""
         return sorted(self._links)

@@ -29,10 +29,12 @@ from redis.exceptions import RedisError
 from services.common.bus import connect
 from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
+from services.common.metrics_http import serving_metrics
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.router.config import RouterSettings
 from services.router.pool import EngineLink, EnginePool
+from services.router.telemetry import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,16 @@ async def aborting(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
 class _Attempts:
     """The engines tried for one request, within its deadline and the attempt bound."""
 
-    def __init__(self, pool: EnginePool, request: rollout_pb2.GenerateRequest, deadline: float, limit: int):
+    def __init__(
+        self,
+        pool: EnginePool,
+        request: rollout_pb2.GenerateRequest,
+        deadline: float,
+        limit: int,
+        metrics: RouterMetrics | None = None,
+    ):
         self.pool = pool
+        self.metrics = metrics
         self.session_id = request.session_id
         self.job_id = request.job_id
         self.samples = max(1, request.sampling.n)
@@ -96,6 +106,8 @@ class _Attempts:
             )
         self.tried.append(link.engine_id)
         self.pool.acquire(link, self.samples)
+        if self.metrics is not None:
+            self.metrics.routed.labels(link.engine_id).inc()
         return link
 
     async def failed(self, link: EngineLink, code: grpc.StatusCode, details: str) -> None:
@@ -140,19 +152,24 @@ class _Batch:
 
 
 class Router(router_pb2_grpc.RouterServicer):
-    """Generate, GenerateBatch, GenerateStream, ListEngines and DrainEngine over an EnginePool."""
+    """Generate, GenerateBatch, GenerateStream, ListEngines, DrainEngine and AbortJob over an
+    EnginePool."""
 
-    def __init__(self, settings: RouterSettings, registry: EngineRegistry) -> None:
+    def __init__(
+        self, settings: RouterSettings, registry: EngineRegistry, metrics: RouterMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.registry = registry
         self.pool = EnginePool(registry, settings.engine_ttl_s)
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.follow(self.pool.links, self.pool.is_drained)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
         return time.monotonic() + (self.settings.default_timeout_s if remaining is None else remaining)
 
     def _attempts(self, request: rollout_pb2.GenerateRequest, deadline: float) -> _Attempts:
-        return _Attempts(self.pool, request, deadline, self.settings.max_attempts)
+        return _Attempts(self.pool, request, deadline, self.settings.max_attempts, self.metrics)
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -292,6 +309,46 @@ class Router(router_pb2_grpc.RouterServicer):
         log.info("engine %s %s", request.engine_id, "drained" if request.drain else "routed to again")
         return router_pb2.DrainEngineResponse(engine=info)
 
+    async def AbortJob(
+        self, request: rollout_pb2.AbortJobRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.AbortJobEverywhereResponse:
+        """Rollout.AbortJob on every engine in the view at once (drained ones too: they may still
+        run the job's requests), each within the call's deadline; an engine that fails or does
+        not answer in time is named, not retried (its requests end with their callers' deadlines)."""
+        if not request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+        with contextlib.suppress(RedisError, OSError):  # without Redis: the view as it stands
+            await self.pool.refresh()  # an engine that joined since the last refresh holds requests too
+        links = self.pool.links()
+        timeout = max(0.0, self._deadline(context) - time.monotonic())
+        for link in links:
+            self.pool.acquire(link, 0)  # a retired link's channel stays open until the call ends
+        try:
+            replies = await asyncio.gather(
+                *(link.stub.AbortJob(request, timeout=timeout) for link in links), return_exceptions=True
+            )
+        finally:
+            for link in links:
+                await self.pool.release(link, 0)
+        response = router_pb2.AbortJobEverywhereResponse()
+        for link, reply in zip(links, replies, strict=True):
+            if isinstance(reply, rollout_pb2.AbortJobResponse):
+                response.aborted += reply.aborted
+                response.engine_ids.append(link.engine_id)
+            else:
+                response.failed_engine_ids.append(link.engine_id)
+                why = (
+                    f"{reply.code().name}: {reply.details()}"
+                    if isinstance(reply, grpc.aio.AioRpcError)
+                    else repr(reply)
+                )
+                log.warning("engine %s: AbortJob %s failed: %s", link.engine_id, request.job_id, why)
+        log.info(
+            "job %s ended: %d requests aborted on %d engines (%d failed)",
+            *(request.job_id, response.aborted, len(response.engine_ids), len(response.failed_engine_ids)),
+        )
+        return response
+
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Add the Router servicer to ``server``; returns the service names for health."""
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
@@ -335,10 +392,19 @@ async def _one(
 
 
 async def serve_router(settings: RouterSettings) -> None:
-    redis = connect(require_redis_url(settings), outage_s=settings.redis_outage_s)
+    redis = connect(
+        require_redis_url(settings),
+        outage_s=settings.redis_outage_s,
+        max_connections=settings.redis_max_connections,
+    )
     router = Router(settings, EngineRegistry(redis))
+    port_setting = RouterSettings.env_name("metrics_port")
+    registry = router.metrics.registry
     try:
-        await serve(settings, router.register, background=router.run)
+        with serving_metrics(
+            registry, settings.host, settings.metrics_port, settings.metrics_enabled, setting=port_setting
+        ):
+            await serve(settings, router.register, background=router.run, registry=registry)
     finally:
         await router.close()
         await redis.aclose()

@@ -41,3 +41,7 @@ class RunnerSettings(RolloutClientSettings):
     tools_address: str = Field("", pattern=r"^$|^\S+:\d{1,5}$")
     """host:port of the Tools service that runs multi-turn episodes' tool calls; empty: the job's
     reward service (the reward process serves Tools too)."""
+    metrics_port: int = Field(9465, ge=0, le=65535)
+    """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
+    metrics_enabled: bool = True
+    """Serve /metrics (groups per stage, stage seconds, groups in flight, prompts stream lag, RPC latency)."""

@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.bus import Bus, Delivery
+from services.common.bus_lag import BusLagCollector
 from services.common.consumer import StreamConsumer, consumer_name
 from services.common.grpc_client import Channels
 from services.common.grpc_server import serve
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import JobRecord, JobStore
 from services.common.leases import renew_every
+from services.common.metrics_http import serving_metrics
 from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
@@ -45,6 +48,7 @@ from services.runner.group import GroupClients, InvalidTaskError, RetryLaterErro
 from services.runner.publishing import GroupPublisher
 from services.runner.shaping import load_shapings, shape_rewards
 from services.runner.strategy import check_trajectories, load_strategy
+from services.runner.telemetry import RunnerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +89,13 @@ def stamp_stages(
 class Runner:
     """Consumes the prompts of every running job."""
 
-    def __init__(self, bus: Bus, store: JobStore, settings: RunnerSettings) -> None:
+    def __init__(
+        self, bus: Bus, store: JobStore, settings: RunnerSettings, metrics: RunnerMetrics | None = None
+    ) -> None:
         self.bus = bus
         self.store = store
         self.settings = settings
+        self.metrics = metrics or RunnerMetrics()
         self.consumer = consumer_name("runner")
         self._slots = asyncio.Semaphore(settings.max_concurrent_groups)
         self._jobs: dict[str, JobLoop] = {}
@@ -137,12 +144,14 @@ class Runner:
                 loop = JobLoop(record)
                 loop.task = asyncio.create_task(self._consume(loop), name=f"runner {job_id}")
                 self._jobs[job_id] = loop
+                self.metrics.watch(JobStreams(job_id).prompts, GROUP)
                 log.info("consuming the prompts of %s", job_id)
 
     async def _stop_loops(self, job_ids: list[str]) -> None:
         loops = [self._jobs.pop(job_id) for job_id in job_ids]
         for loop in loops:
             loop.stop.set()
+            self.metrics.unwatch(JobStreams(loop.record.job_id).prompts, GROUP)
         await asyncio.gather(*(loop.task for loop in loops if loop.task), return_exceptions=True)
 
     def _prompt_consumer(self, job_id: str) -> StreamConsumer[common_pb2.PromptTask]:
@@ -235,20 +244,28 @@ class Runner:
         picked = time.time()
         held = self._held.setdefault(delivery.stream, set())
         held.add(delivery.entry_id)
+        self.metrics.in_flight.inc()
         try:
             trajectories = await self._roll_out(loop, task)
+            self.metrics.rolled_out(trajectories, picked)
             stamp_stages(trajectories, task, picked)
+            publishing = time.monotonic()
             await self._publisher.publish_and_ack(JobStreams(job_id).trajectories, trajectories, delivery)
+            self.metrics.published(time.monotonic() - publishing)
             log.debug("%s: %d trajectories", task.prompt_id, len(trajectories))
         except InvalidTaskError as err:
+            self.metrics.groups_failed.labels("invalid").inc()
             await consumer.dead_letter(delivery, f"invalid task: {err}")
         except RetryLaterError as err:
+            self.metrics.groups_failed.labels("retry").inc()
             log.warning("%s left for a retry (delivery %d): %s", task.prompt_id, delivery.delivery_count, err)
         except Exception:
+            self.metrics.groups_failed.labels("error").inc()
             log.exception(
                 "%s failed (delivery %d); left for a retry", task.prompt_id, delivery.delivery_count
             )
         finally:
+            self.metrics.in_flight.dec()
             held.discard(delivery.entry_id)
             self._slots.release()
 
@@ -332,10 +349,17 @@ class Runner:
             raise RetryLaterError(f"cannot load the job's tokenizer: {err}") from None
 
 
-async def _consume_until(settings: RunnerSettings, redis_url: str, stop: asyncio.Event) -> None:
-    bus = Bus.from_url(redis_url, outage_s=settings.redis_outage_s, max_deliveries=settings.max_deliveries)
+async def _consume_until(
+    settings: RunnerSettings, redis_url: str, metrics: RunnerMetrics, stop: asyncio.Event
+) -> None:
+    bus = Bus.from_url(
+        redis_url,
+        outage_s=settings.redis_outage_s,
+        max_connections=settings.redis_max_connections,
+        max_deliveries=settings.max_deliveries,
+    )
     try:
-        await Runner(bus, JobStore(bus.redis), settings).run(stop)
+        await Runner(bus, JobStore(bus.redis), settings, metrics).run(stop)
     finally:
         await bus.close()
 
@@ -345,4 +369,17 @@ def main() -> None:
     settings = load_settings(RunnerSettings)
     setup_logging(settings.service_name, settings.log_level)
     redis_url = require_redis_url(settings)
-    asyncio.run(serve(settings, background=lambda stop: _consume_until(settings, redis_url, stop)))
+    metrics = RunnerMetrics(BusLagCollector(redis_url))
+    port_setting = RunnerSettings.env_name("metrics_port")
+    try:
+        with serving_metrics(
+            metrics.registry,
+            settings.host,
+            settings.metrics_port,
+            settings.metrics_enabled,
+            setting=port_setting,
+        ):
+            consume = functools.partial(_consume_until, settings, redis_url, metrics)
+            asyncio.run(serve(settings, background=consume, registry=metrics.registry))
+    finally:
+        metrics.close()

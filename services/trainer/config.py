@@ -58,6 +58,10 @@ class TrainerSettings(ServiceSettings):
     """distributed: bytes of one broadcast call (the tensors laid end to end, cut into buckets)."""
     weight_transport_engine_ttl_s: float = Field(5.0, gt=0.0, le=3600.0)
     """distributed: an engine is a member while its registry heartbeat is younger than this."""
+    metrics_port: int = Field(9464, ge=0, le=65535)
+    """HTTP port of the Prometheus /metrics endpoint; 0 picks a free one."""
+    metrics_enabled: bool = True
+    """Serve /metrics (steps, step stage seconds, policy version, trajectories stream lag, RPC latency)."""
 
     @field_validator("keepalive_s")
     @classmethod

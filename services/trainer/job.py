@@ -55,6 +55,7 @@ from services.trainer.report import (
     step_metric_values,
     tool_use_rate,
 )
+from services.trainer.telemetry import TrainerMetrics
 from services.trainer.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,10 @@ class JobRun:
         progress: Progress,
         device: torch.device,
         transport: WeightTransport | None = None,
+        metrics: TrainerMetrics | None = None,
     ) -> None:
         self.bus = bus
+        self.metrics = metrics or TrainerMetrics()
         self.jobs = jobs
         self.settings = settings
         self.consumer = consumer
@@ -156,6 +159,7 @@ class JobRun:
                 block_ms=self.settings.poll_block_ms,
                 reclaim_idle_ms=self.settings.trajectory_reclaim_idle_ms,
             )
+            self.metrics.watch(self.streams.trajectories, TRAJECTORY_GROUP)
             while self.version < self.spec.trainer.steps:
                 waited = time.monotonic()
                 groups = await self._collect(consumer)
@@ -169,6 +173,7 @@ class JobRun:
                     await self._settle()
             raise
         finally:
+            self.metrics.unwatch(self.streams.trajectories, TRAJECTORY_GROUP)
             if self._reported is not None:
                 self._reported.cancel()  # an error ends the job: a report in flight goes with it
             await stop_renewing(keepalive, keepalive_stop, self.settings.keepalive_s)
@@ -457,6 +462,7 @@ class JobRun:
         await self.bus.publish_metric(self.job_id, "trainer", values, step=version, policy_version=version)
         self.progress.consumed_trajectories += len(prepared.rewards)
         self.progress.last_metrics = values
+        self.metrics.stepped(values, len(prepared.rewards))
         log.info(
             "job %s: step %d loss %.4f reward %.3f clip %.3f kl %.2e grad %.3f (%.2fs)",
             *(self.job_id, version, stats.loss, values["reward_mean"], stats.clip_fraction),

@@ -13,13 +13,16 @@ import grpc
 import torch
 
 from services.common.bus import Bus
+from services.common.bus_lag import BusLagCollector
 from services.common.grpc_server import Register, serve
+from services.common.metrics_http import serving_metrics
 from services.common.pb import trainer_pb2, trainer_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.trainer.config import TrainerSettings
 from services.trainer.distributed import World, world_from_env
 from services.trainer.job_control import CheckpointUnavailable
 from services.trainer.leader import follow, start_leader
+from services.trainer.telemetry import TrainerMetrics
 from services.trainer.worker import NoJobError, TrainerWorker
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
@@ -93,13 +96,27 @@ async def serve_trainer(settings: TrainerSettings, device: torch.device | None =
     """Warm up, then serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
     device = device or trainer_device(settings)
     await asyncio.to_thread(warm_up, device)
+    redis_url = require_redis_url(settings)
     bus = Bus.from_url(
-        require_redis_url(settings), outage_s=settings.redis_outage_s, max_deliveries=settings.max_deliveries
+        redis_url,
+        outage_s=settings.redis_outage_s,
+        max_connections=settings.redis_max_connections,
+        max_deliveries=settings.max_deliveries,
     )
-    worker = TrainerWorker(bus, settings, device)
+    metrics = TrainerMetrics(BusLagCollector(redis_url))
+    worker = TrainerWorker(bus, settings, device, metrics)
+    port_setting = TrainerSettings.env_name("metrics_port")
     try:
-        await serve(settings, registrar(worker), background=worker.run)
+        with serving_metrics(
+            metrics.registry,
+            settings.host,
+            settings.metrics_port,
+            settings.metrics_enabled,
+            setting=port_setting,
+        ):
+            await serve(settings, registrar(worker), background=worker.run, registry=metrics.registry)
     finally:
+        metrics.close()
         await bus.close()
 
 

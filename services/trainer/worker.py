@@ -24,6 +24,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.job import JOB_GROUP, JobRun
 from services.trainer.job_control import JobControl, JobStopped, StopKind
 from services.trainer.report import Progress
+from services.trainer.telemetry import TrainerMetrics
 from services.trainer.transport import open_transport
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,12 @@ class NoJobError(Exception):
 class TrainerWorker:
     """Trains the jobs it claims, one at a time, until the service shuts down."""
 
-    def __init__(self, bus: Bus, settings: TrainerSettings, device: torch.device) -> None:
+    def __init__(
+        self, bus: Bus, settings: TrainerSettings, device: torch.device, metrics: TrainerMetrics | None = None
+    ) -> None:
         self.bus = bus
+        self.metrics = metrics or TrainerMetrics()
+        self.metrics.follow_version(lambda: self.progress.policy_version)
         self.jobs = JobStore(bus.redis)
         self.settings = settings
         self.device = device
@@ -116,6 +121,7 @@ class TrainerWorker:
                 progress=self.progress,
                 device=self.device,
                 transport=self.transport,
+                metrics=self.metrics,
             )
             await self.current.run()
             await self._finish(consumer, delivery, common_pb2.JOB_STATE_SUCCEEDED, "")

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
-VICTIMS = ("trainer", "engine-0", "router", "runner", "reward", "api")
+VICTIMS = ("trainer-0", "engine-0", "router", "runner", "reward", "api")
 KILLS = 20
 REDIS_RESTART_AT = 10
 """The Redis restart comes after this many kills."""
@@ -117,7 +117,7 @@ def run_chaos(stack: Stack, probe: Probe, rng: random.Random) -> dict[str, list[
         assert before[1] < STEPS, f"the job ended after {index} of {KILLS} kills"
         killed_at = time.monotonic()
         stack.restart(victim)
-        if victim == "trainer":  # taken over: the successor resumed and published its first handle
+        if victim == "trainer-0":  # taken over: the successor resumed and published its first handle
             wait_for_epoch(probe, before[0], stack)
             recovery["trainer takeover"].append(time.monotonic() - killed_at)
         wait_for_progress(probe, before, stack, 180)

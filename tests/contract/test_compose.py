@@ -117,6 +117,27 @@ def test_every_service_has_a_health_check_with_the_project_probe() -> None:
             assert test[4] in {"grpc", "http"}
 
 
+def test_trainers_scale_as_replicas_without_clashing() -> None:
+    """Each trainer replica trains one job at a time; replicas publish no host port (two would
+    clash) and keep no container name of their own (compose refuses to scale one)."""
+    trainer = app_services()["trainer"]
+    replicas = trainer["deploy"]["replicas"]
+    assert isinstance(replicas, int) and replicas >= 1
+    assert "ports" not in trainer and "container_name" not in trainer
+
+
+@pytest.mark.parametrize("name", sorted(app_services()))
+def test_metrics_ports_are_exposed(name: str) -> None:
+    """Each service with a /metrics port of its own exposes it to the compose network (a
+    Prometheus there scrapes `service:port`)."""
+    service = app_services()[name]
+    field = settings_for(service["command"]).model_fields.get("metrics_port")
+    if field is None:  # the api serves /metrics on its own port
+        assert "ports" in service
+        return
+    assert str(field.default) in service.get("expose", [])
+
+
 def test_checkpoints_volume_is_shared_by_trainer_and_engines() -> None:
     services = app_services()
     assert "checkpoints:/data" in services["trainer"]["volumes"]

@@ -140,14 +140,14 @@ def test_services_expose_the_contracted_rpcs() -> None:
         "GenerateBatch",
         "LoadWeights",
         "Abort",
+        "AbortJob",
         "Pause",
         "Resume",
         "GetStatus",
     }
     assert methods(pb.rollout_pb2, "Rollout") == rollout
-    assert {"Generate", "GenerateStream", "GenerateBatch", "ListEngines", "DrainEngine"} <= methods(
-        pb.router_pb2, "Router"
-    )
+    router = {"Generate", "GenerateStream", "GenerateBatch", "ListEngines", "DrainEngine", "AbortJob"}
+    assert router <= methods(pb.router_pb2, "Router")
     assert methods(pb.reward_pb2, "Reward") == {"Score", "ScoreBatch", "CheckVerifier"}
     assert methods(pb.reward_pb2, "Tools") == {"Execute", "ListTools"}
     assert methods(pb.trainer_pb2, "Trainer") == {"GetStatus", "SaveCheckpoint", "Stop"}

@@ -59,6 +59,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.refusal = ""
         """When set, every Generate is refused with it (INVALID_ARGUMENT), as for a "bad" prompt."""
         self.correct_at_version: Callable[[int, int, int], bool] = lambda a, b, version: False
+        self.aborted_jobs: list[str] = []
+        """The job of every AbortJob, in order."""
 
     def answer(self, text: str, index: int, greedy: bool) -> str:
         a, b = (int(x) for x in text.rstrip("=").split("+"))
@@ -98,6 +100,12 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         return rollout_pb2.GenerateResponse(
             request_id=request.request_id, completions=completions[::-1], engine_id=ENGINE_ID
         )
+
+    async def AbortJob(
+        self, request: rollout_pb2.AbortJobRequest, context: Any
+    ) -> router_pb2.AbortJobEverywhereResponse:
+        self.aborted_jobs.append(request.job_id)
+        return router_pb2.AbortJobEverywhereResponse(engine_ids=[ENGINE_ID])
 
     async def ListEngines(
         self, request: router_pb2.ListEnginesRequest, context: Any

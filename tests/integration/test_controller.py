@@ -366,10 +366,12 @@ async def test_cancel_stops_the_prompts(
     await trainer.wait_for_prompts(4)
     assert await trainer.store.set_state(trainer.job_id, CANCELLED, "user") is True
     await eventually(lambda: _true(controller.driven_jobs == []), what="the driver to stop")
+    await eventually(lambda: _true(services[0].aborted_jobs == [trainer.job_id]), what="its requests aborted")
     await trainer.publish_version(1)
     await asyncio.sleep(0.3)
     assert len(await trainer.prompts()) == 4
     assert await trainer.state() == CANCELLED
+    assert services[0].aborted_jobs == [trainer.job_id], "once"
 
 
 async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
@@ -387,6 +389,7 @@ async def test_a_restarted_controller_carries_on_where_the_last_one_stopped(
     await trainer.wait_for_prompts(5)
     await controllers.stop(first)  # the api process goes away
     assert (await trainer.store.get(trainer.job_id)).dropped_groups == 1
+    assert fake_router.aborted_jobs == [], "the job goes on: its requests are not aborted"
 
     await controllers.start(consumer="controller-after")
     fake_router.version = 1

@@ -136,6 +136,32 @@ async def test_metrics_of_generation_and_weight_loads(engine: RunningEngine, tmp
         await scrape(server.url)
 
 
+async def test_tokens_are_counted_as_they_are_generated(engine: RunningEngine) -> None:
+    """A long generation moves the counter and the rate while it runs (held there by a Pause, so
+    it cannot finish first); once it ends the counter holds its tokens once, not twice."""
+    registry = engine.app.metrics.registry
+    length = 1500
+    request = generate_request([1, 5, 6], max_new_tokens=length, ignore_eos=True, temperature=1.0)
+    call = asyncio.ensure_future(engine.stub.Generate(request, timeout=60))
+
+    async def counted() -> float:
+        return registry.get_sample_value("verst_engine_generated_tokens_total") or 0.0
+
+    await eventually(counted, what="tokens counted before the sample finished")
+    await engine.stub.Pause(rollout_pb2.PauseRequest(), timeout=5)
+    try:
+        info = await engine.stub.GetStatus(rollout_pb2.GetEngineStatusRequest(), timeout=5)
+        assert not call.done() and info.running_requests == 1
+        assert 0 < await counted() < length
+        assert (registry.get_sample_value("verst_engine_tokens_per_second") or 0.0) > 0
+    finally:
+        await engine.stub.Resume(rollout_pb2.ResumeRequest(), timeout=5)
+    completion = (await call).completions[0]
+    assert len(completion.token_ids) == length and completion.finish_reason == LENGTH
+    assert await counted() == length
+    assert registry.get_sample_value("verst_engine_completions_total", {"finish_reason": "length"}) == 1
+
+
 async def test_running_and_queued_requests_are_read_at_scrape_time(engine: RunningEngine) -> None:
     metrics = engine.app.metrics.registry
     await engine.stub.Pause(rollout_pb2.PauseRequest(), timeout=5)

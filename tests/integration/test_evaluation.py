@@ -19,7 +19,7 @@ from services.common.bus import Bus
 from services.common.config import DEFAULT_EVAL_SET, JobSpec
 from services.common.grpc_client import channel
 from services.common.jobs import SUCCEEDED
-from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.common.pb import common_pb2, reward_pb2_grpc, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.redis_server import free_port
 from services.controller.controller import Controller
 from services.controller.eval_scores import pass_at_k
@@ -72,6 +72,39 @@ class DyingEngineRouter(FakeRouter):
         return await super().Generate(request, context)
 
 
+class LaggingEngineRouter(FakeRouter):
+    """Two engines of the job: one serves ``version``, the other is still on ``lagging``. Requests
+    alternate between them; one the lagging engine cannot serve (its min_policy_version is newer)
+    goes to the other, as the router sends it on after that engine's FAILED_PRECONDITION."""
+
+    def __init__(self, tokenizer: Any, lagging: int = 0) -> None:
+        super().__init__(tokenizer)
+        self.lagging = lagging
+        self.turn = 0
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> rollout_pb2.GenerateResponse:
+        self.turn += 1
+        old = self.turn % 2 == 0 and request.min_policy_version <= self.lagging
+        response = await super().Generate(request, context)
+        if old:
+            for completion in response.completions:
+                completion.policy_versions[:] = [self.lagging] * len(completion.token_ids)
+        return response
+
+    async def ListEngines(
+        self, request: router_pb2.ListEnginesRequest, context: Any
+    ) -> router_pb2.ListEnginesResponse:
+        reply = await super().ListEngines(request, context)
+        lagging = common_pb2.EngineInfo(
+            engine_id="lagging-engine", job_id=self.job_id, policy_version=self.lagging,
+            state=common_pb2.ENGINE_STATE_SERVING,
+        )  # fmt: skip
+        reply.engines.append(lagging)
+        return reply
+
+
 def spec(**more: Any) -> JobSpec:
     return JobSpec.model_validate(
         {"eval": {"num_prompts": PROMPTS}, "rollout": {"max_new_tokens": 6}, **more}
@@ -119,6 +152,27 @@ async def test_a_generate_whose_engine_died_is_made_again(
     retried = sorted(r.request_id for r in router.requests)
     assert retried == sorted(f"{JOB}:eval:v3:{i}:retry1" for i in range(PROMPTS))
     assert all(r.session_id == r.request_id for r in router.requests), "no affinity to the dead engine"
+
+
+async def test_an_evaluation_is_labelled_with_the_version_its_engines_served(
+    tokenizer: Any, reward: tuple[FakeReward, str]
+) -> None:
+    """The controller asks for version 0 (a final evaluation whose trainer's status lagged, say)
+    while one engine serves version 5 and another is still on 0: every answer comes from version
+    5, the version the engines serve as it starts, and the evaluation says so."""
+    router = knowing(LaggingEngineRouter(tokenizer))
+    router.version = 5
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s))
+    try:
+        evaluation = await evaluator(address, reward[1])
+        served = await evaluation.wait_for_version(0, 5.0)  # as JobEvals.evaluate asks
+        result = await evaluation.evaluate(0, default_set(tokenizer), tokenizer, served=served)
+    finally:
+        await server.stop(None)
+    assert (served, result.version, result.newest_version) == (5, 5, 5)
+    assert result.metric_values()[SERVED_VERSION] == 5
+    assert {r.min_policy_version for r in router.requests} == {5}
+    assert len(router.requests) == PROMPTS
 
 
 async def test_an_evaluation_outlives_a_router_restart_mid_call(

@@ -26,6 +26,7 @@ from services.common.jobs import (
     job_history_key,
     submission,
 )
+from services.common.payloads import NonFiniteMetricError
 from services.common.pb import common_pb2
 from services.common.streams import CONTROLLER_GROUP, JOBS, JobStreams, job_key
 from tests.helpers import stream_messages
@@ -124,6 +125,16 @@ async def test_metrics_keep_the_latest_per_source_and_a_bounded_history(store: J
     assert rows[-1].policy_version == 5 and rows[-1].values == {"accuracy": 0.75}
     assert [r.step for r in await store.history(job_id, source="trainer", limit=2)] == [4, 5]
     assert await store.redis.llen(job_history_key(job_id)) == 5
+
+
+async def test_a_non_finite_metric_is_refused_by_name_and_nothing_is_merged(store: JobStore) -> None:
+    job_id = (await store.create(JobSpec())).job_id
+    await store.merge_metrics(job_id, {"loss": 0.5}, step=1, source="trainer")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(NonFiniteMetricError, match=f"trainer/kl={bad}"):
+            await store.merge_metrics(job_id, {"loss": 0.25, "kl": bad}, step=2, source="trainer")
+    assert (await store.get(job_id)).metrics == {"trainer/loss": 0.5}
+    assert [row.step for row in await store.history(job_id)] == [1]
 
 
 async def test_list_is_newest_first_and_counts_by_state(store: JobStore) -> None:

@@ -30,6 +30,16 @@ SERVED = {
     "services.controller": set(),
 }
 """The services each process lists by reflection besides health and reflection itself."""
+METRICS = {
+    "services.router": ("VERST_ROUTER_METRICS_PORT", "verst_router_engines 0.0"),
+    "services.reward": ("VERST_REWARD_METRICS_PORT", "# TYPE verst_reward_score_seconds histogram"),
+    "services.trainer": ("VERST_TRAINER_METRICS_PORT", "verst_trainer_policy_version 0.0"),
+    "services.rollout": ("VERST_ENGINE_METRICS_PORT", "verst_engine_tokens_per_second 0.0"),
+    "services.runner": ("VERST_RUNNER_METRICS_PORT", "verst_runner_groups_in_flight 0.0"),
+}
+"""Each process's /metrics port variable, and a line of its own series on the page."""
+HEALTH_CHECKED = 'verst_rpc_calls_total{code="OK",method="Check",service="grpc.health.v1.Health"}'
+"""The page's line that counts the health checks the test made (each process times its RPCs)."""
 ALWAYS = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 DEADLINE_S = 120.0
 """How long a process may take to serve health: the trainer imports DeepSpeed, slow on a busy 2-core host."""
@@ -86,10 +96,18 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 def test_grpc_service_lifecycle(
     python: str, python_env: dict[str, str], module: list[str], port_var: str, redis_url: str
 ) -> None:
-    proc, port = start(python, python_env, module, port_var, redis_url)
+    """Health, reflection, /metrics (its own series and its RPCs'), and a clean stop."""
+    metrics_var, own_series = METRICS[module[0]]
+    metrics_port = free_port()
+    env = {**python_env, metrics_var: str(metrics_port)}
+    proc, port = start(python, env, module, port_var, redis_url)
     try:
         assert grpc_health(port) == health_pb2.HealthCheckResponse.SERVING
         assert reflected_services(port) == ALWAYS | SERVED[module[0]]
+        response = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        assert response.status_code == 200
+        assert own_series in response.text
+        assert f"{HEALTH_CHECKED} 1.0" in response.text
     finally:
         code, output = stop(proc)
     assert code == 0, output
@@ -106,6 +124,7 @@ def test_controller_runs_as_its_own_process(python: str, python_env: dict[str, s
         assert reflected_services(port) == ALWAYS | SERVED["services.controller"]
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert "verst_controller_drivers 0.0" in metrics
+        assert HEALTH_CHECKED in metrics
     finally:
         code, output = stop(proc)
     assert code == 0, output

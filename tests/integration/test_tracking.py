@@ -11,9 +11,11 @@ import numpy as np
 
 from services.common.bus import Bus
 from services.common.jobs import RUNNING
+from services.common.pb import common_pb2
+from services.common.streams import dead_letter_stream
 from services.common.tracking_config import TENSORBOARD_DIR
 from services.controller.trackers import scalar_events
-from tests.helpers import eventually
+from tests.helpers import eventually, stream_messages
 from tests.integration.test_controller import (  # noqa: F401  (fixtures)
     Controllers,
     Services,
@@ -67,13 +69,14 @@ async def test_a_restarted_controller_tracks_each_merged_row_once(
     # merged by a controller that died before it wrote them to its trackers
     await trainer.store.merge_metrics(trainer.job_id, {"reward_mean": reward(3)}, step=3, source="trainer")
     second = await controllers.start(consumer="controller-after")
-    await trainer.report_step_metric(4, {"reward_mean": reward(4), "kl": math.nan})
+    await trainer.report_step_metric(4, {"reward_mean": reward(4), "kl": math.nan})  # refused whole
+    await trainer.report_step_metric(4, {"reward_mean": reward(4)})
     await merged_steps(trainer, 4)
     await controllers.stop(second)
 
     expected = [(s, float(np.float32(reward(s)))) for s in (1, 2, 3, 4)]
-    assert scalars(directory) == {"trainer/reward_mean": expected}, "each step once, the NaN skipped"
-    warnings = [
-        e.message.warning for e in await trainer.store.events.read(trainer.job_id) if e.kind == "warning"
-    ]
-    assert warnings == ["tracking skips trainer/kl: nan at step 4 is not finite"]
+    assert scalars(directory) == {"trainer/reward_mean": expected}, "each step once, the NaN row not at all"
+    [letter] = await stream_messages(bus, dead_letter_stream(trainer.streams.metrics), common_pb2.DeadLetter)
+    assert "must be finite numbers, not trainer/kl=nan" in letter.reason
+    events = await trainer.store.events.read(trainer.job_id)
+    assert not [e for e in events if e.kind == "warning"], "the trackers saw no NaN"

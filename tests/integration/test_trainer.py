@@ -271,7 +271,7 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
     job_id, runs = "tiny-0001", tmp_path / "runs"
     streams = JobStreams(job_id)
     spec = job_spec(model_dir, runs, checkpoint_every_steps=1, keep_checkpoints=2)
-    async with trainer(bus) as (_, stub):
+    async with trainer(bus) as (worker, stub):
         await submit(bus, job_id, spec)
         v0 = assert_hf_checkpoint(await checkpoint(bus, job_id, 0), job_id, 0)
         assert same_weights(v0, model_dir)
@@ -285,6 +285,7 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         assert not same_weights(v1, v0)
         status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
         assert (status.job_id, status.policy_version, status.last_checkpoint.version) == (job_id, 1, 1)
+        assert worker.metrics.registry.get_sample_value("verst_trainer_policy_version") == 1
         saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id=job_id), timeout=10)
         assert (saved.handle.version, saved.handle.durable) == (1, True)
         assert saved.handle.uri == (runs / job_id / "v000001").resolve().as_uri()
@@ -298,6 +299,9 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         await bus.publish_many(streams.trajectories, [*stale, step1[1], *fresh])
         assert_hf_checkpoint(await checkpoint(bus, job_id, 2), job_id, 2)
         assert (await final_status(bus, job_id)).state == common_pb2.JOB_STATE_SUCCEEDED
+        steps = worker.metrics.registry.get_sample_value
+        assert steps("verst_trainer_steps_total") == 2
+        assert steps("verst_trainer_step_stage_seconds_count", {"stage": "optimise"}) == 2
         assert await bus.pending_count(JOBS, JOB_GROUP) == 0
         assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
         idle = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)

@@ -22,7 +22,13 @@ from services.rollout.engine_protocol import (
     WrongJobError,
 )
 from services.rollout.metrics import EngineMetrics
-from services.rollout.servicer import STATUS_CODES, EngineInfoSource, RolloutServicer, status_code
+from services.rollout.servicer import (
+    STATUS_CODES,
+    EngineInfoSource,
+    JobEndedError,
+    RolloutServicer,
+    status_code,
+)
 from services.rollout.sglang.backend import SGLangBackend
 from services.rollout.sglang.engine import SGLangEngine
 from services.rollout.torch.engine import TorchEngine
@@ -204,6 +210,7 @@ GENERATE_ERRORS = [
     (NoWeightsError("no weights loaded"), grpc.StatusCode.FAILED_PRECONDITION),
     (WrongJobError("engine serves job 'a', not 'b'"), grpc.StatusCode.FAILED_PRECONDITION),
     (StaleWeightsError("the request needs job v3 or newer"), grpc.StatusCode.FAILED_PRECONDITION),
+    (JobEndedError("job 'b' ended: its requests are refused"), grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError("prompt_token_ids is empty"), grpc.StatusCode.INVALID_ARGUMENT),
     (EngineStoppedError("engine is shutting down"), grpc.StatusCode.UNAVAILABLE),
     (EngineUnavailableError("SGLang http://s/generate: HTTP 500"), grpc.StatusCode.UNAVAILABLE),

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 from google.protobuf.message import Message
 
-from services.common.bus import encode
-from services.common.payloads import PAYLOAD_CHECKS, decode_entry, payload_problem, unknown_fields
+from services.common.bus import encode, metric_message
+from services.common.payloads import (
+    PAYLOAD_CHECKS,
+    NonFiniteMetricError,
+    decode_entry,
+    payload_problem,
+    unknown_fields,
+)
 from services.common.pb import common_pb2
 from services.common.streams import JOBS, JobStreams
 
@@ -69,6 +75,16 @@ def test_every_stream_payload_type_has_a_check() -> None:
         (common_pb2.JobStatus(job_id="job-1", state=99), STREAMS.status, "state 99 is not a JobState"),
         (common_pb2.TrainerSignal(job_id="job-1"), STREAMS.control, "carries no signal"),
         (common_pb2.Metric(source="trainer"), STREAMS.metrics, "no job_id"),
+        (
+            common_pb2.Metric(job_id="job-1", source="trainer", values={"loss": float("nan"), "kl": 0.1}),
+            STREAMS.metrics,
+            "metric values must be finite numbers, not trainer/loss=nan",
+        ),
+        (
+            common_pb2.Metric(job_id="job-1", source="eval", values={"a": float("inf"), "b": -float("inf")}),
+            STREAMS.metrics,
+            "metric values must be finite numbers, not eval/a=inf, eval/b=-inf",
+        ),
         (common_pb2.DeadLetter(reason="r"), STREAMS.dead, "no source_stream"),
         (
             common_pb2.DeadLetter(source_stream=JobStreams("job-2").prompts),
@@ -120,3 +136,9 @@ def test_decode_entry_names_the_type_and_decoding_problems() -> None:
     assert message is None and reason.startswith("undecodable verst.v1.Trajectory payload: ")
     labelled = {b"t": b"verst.v1.Trajectory", b"d": task.SerializeToString()}
     assert decode_entry(labelled, common_pb2.Trajectory, STREAMS.trajectories)[1].endswith("no group_id")
+
+
+def test_a_producer_cannot_make_a_non_finite_metric() -> None:
+    with pytest.raises(NonFiniteMetricError, match=r"job job-1 step 3: .* not trainer/loss=nan"):
+        metric_message("job-1", "trainer", {"loss": float("nan"), "kl": 0.0}, step=3, policy_version=3)
+    assert metric_message("job-1", "trainer", {"loss": 0.5}, step=3, policy_version=3).values["loss"] == 0.5

@@ -26,15 +26,15 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as verst_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16verst/v1/rollout.proto\x12\x08verst.v1\x1a\x15verst/v1/common.proto\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.verst.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x15\n\rresume_offset\x18\x06 \x01(\x05\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x03\x12\x18\n\x10min_policy_epoch\x18\x08 \x01(\x03\"\x97\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.verst.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"q\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x14.verst.v1.Completion\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.verst.v1.GenerateStats\"\xc1\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x05 \x03(\x03\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.verst.v1.FinishReason\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"C\n\x14GenerateBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.verst.v1.GenerateRequest\"]\n\x0eGenerateResult\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.verst.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"B\n\x15GenerateBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.verst.v1.GenerateResult\"j\n\x12LoadWeightsRequest\x12*\n\x06handle\x18\x01 \x01(\x0b\x32\x1a.verst.v1.CheckpointHandle\x12(\n\x04mode\x18\x02 \x01(\x0e\x32\x1a.verst.v1.WeightUpdateMode\"]\n\x13LoadWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x62orted_requests\x18\x03 \x01(\x05\"0\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"&\n\x0cPauseRequest\x12\x16\n\x0e\x61\x62ort_inflight\x18\x01 \x01(\x08\" \n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x18\n\x16GetEngineStatusRequest*u\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bWEIGHT_UPDATE_MODE_CONTINUE\x10\x01\x12\x1c\n\x18WEIGHT_UPDATE_MODE_ABORT\x10\x02\x32\xa8\x04\n\x07Rollout\x12\x41\n\x08Generate\x12\x19.verst.v1.GenerateRequest\x1a\x1a.verst.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.verst.v1.GenerateRequest\x1a\x17.verst.v1.GenerateChunk0\x01\x12P\n\rGenerateBatch\x12\x1e.verst.v1.GenerateBatchRequest\x1a\x1f.verst.v1.GenerateBatchResponse\x12J\n\x0bLoadWeights\x12\x1c.verst.v1.LoadWeightsRequest\x1a\x1d.verst.v1.LoadWeightsResponse\x12\x38\n\x05\x41\x62ort\x12\x16.verst.v1.AbortRequest\x1a\x17.verst.v1.AbortResponse\x12\x38\n\x05Pause\x12\x16.verst.v1.PauseRequest\x1a\x17.verst.v1.PauseResponse\x12;\n\x06Resume\x12\x17.verst.v1.ResumeRequest\x1a\x18.verst.v1.ResumeResponse\x12\x43\n\tGetStatus\x12 .verst.v1.GetEngineStatusRequest\x1a\x14.verst.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16verst/v1/rollout.proto\x12\x08verst.v1\x1a\x15verst/v1/common.proto\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.verst.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x15\n\rresume_offset\x18\x06 \x01(\x05\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x03\x12\x18\n\x10min_policy_epoch\x18\x08 \x01(\x03\"\x97\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.verst.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"q\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x14.verst.v1.Completion\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.verst.v1.GenerateStats\"\xc1\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x05 \x03(\x03\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.verst.v1.FinishReason\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"C\n\x14GenerateBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.verst.v1.GenerateRequest\"]\n\x0eGenerateResult\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.verst.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"B\n\x15GenerateBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.verst.v1.GenerateResult\"j\n\x12LoadWeightsRequest\x12*\n\x06handle\x18\x01 \x01(\x0b\x32\x1a.verst.v1.CheckpointHandle\x12(\n\x04mode\x18\x02 \x01(\x0e\x32\x1a.verst.v1.WeightUpdateMode\"]\n\x13LoadWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x61\x62orted_requests\x18\x03 \x01(\x05\"0\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"!\n\x0f\x41\x62ortJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"#\n\x10\x41\x62ortJobResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"&\n\x0cPauseRequest\x12\x16\n\x0e\x61\x62ort_inflight\x18\x01 \x01(\x08\" \n\rPauseResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x18\n\x16GetEngineStatusRequest*u\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bWEIGHT_UPDATE_MODE_CONTINUE\x10\x01\x12\x1c\n\x18WEIGHT_UPDATE_MODE_ABORT\x10\x02\x32\xeb\x04\n\x07Rollout\x12\x41\n\x08Generate\x12\x19.verst.v1.GenerateRequest\x1a\x1a.verst.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.verst.v1.GenerateRequest\x1a\x17.verst.v1.GenerateChunk0\x01\x12P\n\rGenerateBatch\x12\x1e.verst.v1.GenerateBatchRequest\x1a\x1f.verst.v1.GenerateBatchResponse\x12J\n\x0bLoadWeights\x12\x1c.verst.v1.LoadWeightsRequest\x1a\x1d.verst.v1.LoadWeightsResponse\x12\x38\n\x05\x41\x62ort\x12\x16.verst.v1.AbortRequest\x1a\x17.verst.v1.AbortResponse\x12\x41\n\x08\x41\x62ortJob\x12\x19.verst.v1.AbortJobRequest\x1a\x1a.verst.v1.AbortJobResponse\x12\x38\n\x05Pause\x12\x16.verst.v1.PauseRequest\x1a\x17.verst.v1.PauseResponse\x12;\n\x06Resume\x12\x17.verst.v1.ResumeRequest\x1a\x18.verst.v1.ResumeResponse\x12\x43\n\tGetStatus\x12 .verst.v1.GetEngineStatusRequest\x1a\x14.verst.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'verst.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTUPDATEMODE']._serialized_start=1544
-  _globals['_WEIGHTUPDATEMODE']._serialized_end=1661
+  _globals['_WEIGHTUPDATEMODE']._serialized_start=1616
+  _globals['_WEIGHTUPDATEMODE']._serialized_end=1733
   _globals['_GENERATEREQUEST']._serialized_start=60
   _globals['_GENERATEREQUEST']._serialized_end=280
   _globals['_COMPLETION']._serialized_start=283
@@ -59,16 +59,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=1373
   _globals['_ABORTRESPONSE']._serialized_start=1375
   _globals['_ABORTRESPONSE']._serialized_end=1407
-  _globals['_PAUSEREQUEST']._serialized_start=1409
-  _globals['_PAUSEREQUEST']._serialized_end=1447
-  _globals['_PAUSERESPONSE']._serialized_start=1449
-  _globals['_PAUSERESPONSE']._serialized_end=1481
-  _globals['_RESUMEREQUEST']._serialized_start=1483
-  _globals['_RESUMEREQUEST']._serialized_end=1498
-  _globals['_RESUMERESPONSE']._serialized_start=1500
-  _globals['_RESUMERESPONSE']._serialized_end=1516
-  _globals['_GETENGINESTATUSREQUEST']._serialized_start=1518
-  _globals['_GETENGINESTATUSREQUEST']._serialized_end=1542
-  _globals['_ROLLOUT']._serialized_start=1664
-  _globals['_ROLLOUT']._serialized_end=2216
+  _globals['_ABORTJOBREQUEST']._serialized_start=1409
+  _globals['_ABORTJOBREQUEST']._serialized_end=1442
+  _globals['_ABORTJOBRESPONSE']._serialized_start=1444
+  _globals['_ABORTJOBRESPONSE']._serialized_end=1479
+  _globals['_PAUSEREQUEST']._serialized_start=1481
+  _globals['_PAUSEREQUEST']._serialized_end=1519
+  _globals['_PAUSERESPONSE']._serialized_start=1521
+  _globals['_PAUSERESPONSE']._serialized_end=1553
+  _globals['_RESUMEREQUEST']._serialized_start=1555
+  _globals['_RESUMEREQUEST']._serialized_end=1570
+  _globals['_RESUMERESPONSE']._serialized_start=1572
+  _globals['_RESUMERESPONSE']._serialized_end=1588
+  _globals['_GETENGINESTATUSREQUEST']._serialized_start=1590
+  _globals['_GETENGINESTATUSREQUEST']._serialized_end=1614
+  _globals['_ROLLOUT']._serialized_start=1736
+  _globals['_ROLLOUT']._serialized_end=2355
 # @@protoc_insertion_point(module_scope)

@@ -152,6 +152,18 @@ class AbortResponse(_message.Message):
     aborted: int
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
+class AbortJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class AbortJobResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
 class PauseRequest(_message.Message):
     __slots__ = ("abort_inflight",)
     ABORT_INFLIGHT_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class RolloutStub:
                 request_serializer=verst_dot_v1_dot_rollout__pb2.AbortRequest.SerializeToString,
                 response_deserializer=verst_dot_v1_dot_rollout__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.AbortJob = channel.unary_unary(
+                '/verst.v1.Rollout/AbortJob',
+                request_serializer=verst_dot_v1_dot_rollout__pb2.AbortJobRequest.SerializeToString,
+                response_deserializer=verst_dot_v1_dot_rollout__pb2.AbortJobResponse.FromString,
+                _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/verst.v1.Rollout/Pause',
                 request_serializer=verst_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
@@ -111,6 +116,12 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Pause(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -156,6 +167,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=verst_dot_v1_dot_rollout__pb2.AbortRequest.FromString,
                     response_serializer=verst_dot_v1_dot_rollout__pb2.AbortResponse.SerializeToString,
+            ),
+            'AbortJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortJob,
+                    request_deserializer=verst_dot_v1_dot_rollout__pb2.AbortJobRequest.FromString,
+                    response_serializer=verst_dot_v1_dot_rollout__pb2.AbortJobResponse.SerializeToString,
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
@@ -308,6 +324,33 @@ class Rollout:
             '/verst.v1.Rollout/Abort',
             verst_dot_v1_dot_rollout__pb2.AbortRequest.SerializeToString,
             verst_dot_v1_dot_rollout__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/verst.v1.Rollout/AbortJob',
+            verst_dot_v1_dot_rollout__pb2.AbortJobRequest.SerializeToString,
+            verst_dot_v1_dot_rollout__pb2.AbortJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ from services.common.pb import common_pb2 as verst_dot_v1_dot_common__pb2
 from services.common.pb import rollout_pb2 as verst_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15verst/v1/router.proto\x12\x08verst.v1\x1a\x15verst/v1/common.proto\x1a\x16verst/v1/rollout.proto\".\n\x12ListEnginesRequest\x12\x18\n\x10include_draining\x18\x01 \x01(\x08\"<\n\x13ListEnginesResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.verst.v1.EngineInfo\"6\n\x12\x44rainEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\";\n\x13\x44rainEngineResponse\x12$\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x14.verst.v1.EngineInfo2\xfd\x02\n\x06Router\x12\x41\n\x08Generate\x12\x19.verst.v1.GenerateRequest\x1a\x1a.verst.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.verst.v1.GenerateRequest\x1a\x17.verst.v1.GenerateChunk0\x01\x12P\n\rGenerateBatch\x12\x1e.verst.v1.GenerateBatchRequest\x1a\x1f.verst.v1.GenerateBatchResponse\x12J\n\x0bListEngines\x12\x1c.verst.v1.ListEnginesRequest\x1a\x1d.verst.v1.ListEnginesResponse\x12J\n\x0b\x44rainEngine\x12\x1c.verst.v1.DrainEngineRequest\x1a\x1d.verst.v1.DrainEngineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15verst/v1/router.proto\x12\x08verst.v1\x1a\x15verst/v1/common.proto\x1a\x16verst/v1/rollout.proto\".\n\x12ListEnginesRequest\x12\x18\n\x10include_draining\x18\x01 \x01(\x08\"<\n\x13ListEnginesResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.verst.v1.EngineInfo\"6\n\x12\x44rainEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\";\n\x13\x44rainEngineResponse\x12$\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x14.verst.v1.EngineInfo\"\\\n\x1a\x41\x62ortJobEverywhereResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\x12\x12\n\nengine_ids\x18\x02 \x03(\t\x12\x19\n\x11\x66\x61iled_engine_ids\x18\x03 \x03(\t2\xca\x03\n\x06Router\x12\x41\n\x08Generate\x12\x19.verst.v1.GenerateRequest\x1a\x1a.verst.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.verst.v1.GenerateRequest\x1a\x17.verst.v1.GenerateChunk0\x01\x12P\n\rGenerateBatch\x12\x1e.verst.v1.GenerateBatchRequest\x1a\x1f.verst.v1.GenerateBatchResponse\x12J\n\x0bListEngines\x12\x1c.verst.v1.ListEnginesRequest\x1a\x1d.verst.v1.ListEnginesResponse\x12J\n\x0b\x44rainEngine\x12\x1c.verst.v1.DrainEngineRequest\x1a\x1d.verst.v1.DrainEngineResponse\x12K\n\x08\x41\x62ortJob\x12\x19.verst.v1.AbortJobRequest\x1a$.verst.v1.AbortJobEverywhereResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINENGINEREQUEST']._serialized_end=246
   _globals['_DRAINENGINERESPONSE']._serialized_start=248
   _globals['_DRAINENGINERESPONSE']._serialized_end=307
-  _globals['_ROUTER']._serialized_start=310
-  _globals['_ROUTER']._serialized_end=691
+  _globals['_ABORTJOBEVERYWHERERESPONSE']._serialized_start=309
+  _globals['_ABORTJOBEVERYWHERERESPONSE']._serialized_end=401
+  _globals['_ROUTER']._serialized_start=404
+  _globals['_ROUTER']._serialized_end=862
 # @@protoc_insertion_point(module_scope)

@@ -34,3 +34,13 @@ class DrainEngineResponse(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     engine: _common_pb2.EngineInfo
     def __init__(self, engine: _Optional[_Union[_common_pb2.EngineInfo, _Mapping]] = ...) -> None: ...
+
+class AbortJobEverywhereResponse(_message.Message):
+    __slots__ = ("aborted", "engine_ids", "failed_engine_ids")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aborted: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., failed_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -61,6 +61,11 @@ class RouterStub:
                 request_serializer=verst_dot_v1_dot_router__pb2.DrainEngineRequest.SerializeToString,
                 response_deserializer=verst_dot_v1_dot_router__pb2.DrainEngineResponse.FromString,
                 _registered_method=True)
+        self.AbortJob = channel.unary_unary(
+                '/verst.v1.Router/AbortJob',
+                request_serializer=verst_dot_v1_dot_rollout__pb2.AbortJobRequest.SerializeToString,
+                response_deserializer=verst_dot_v1_dot_router__pb2.AbortJobEverywhereResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -96,6 +101,12 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +134,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.DrainEngine,
                     request_deserializer=verst_dot_v1_dot_router__pb2.DrainEngineRequest.FromString,
                     response_serializer=verst_dot_v1_dot_router__pb2.DrainEngineResponse.SerializeToString,
+            ),
+            'AbortJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortJob,
+                    request_deserializer=verst_dot_v1_dot_rollout__pb2.AbortJobRequest.FromString,
+                    response_serializer=verst_dot_v1_dot_router__pb2.AbortJobEverywhereResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +276,33 @@ class Router:
             '/verst.v1.Router/DrainEngine',
             verst_dot_v1_dot_router__pb2.DrainEngineRequest.SerializeToString,
             verst_dot_v1_dot_router__pb2.DrainEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/verst.v1.Router/AbortJob',
+            verst_dot_v1_dot_rollout__pb2.AbortJobRequest.SerializeToString,
+            verst_dot_v1_dot_router__pb2.AbortJobEverywhereResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -113,6 +113,8 @@ class TorchEngine(EngineWeights):
         self._paused = False
         self._draining = False
         self._stopping = False
+        self._token_counter: Callable[[int], None] | None = None
+        """Where each decode step's tokens are counted (``count_tokens``); None: nowhere."""
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------
@@ -327,14 +329,19 @@ class TorchEngine(EngineWeights):
     def _advance(self, batch: ContinuousBatch, admitted: list[Row]) -> None:
         """Prefill ``admitted`` into ``batch`` and sample their first tokens, then decode one step."""
         tokenizer = batch.loaded.tokenizer
+        version = self._version
         if admitted:
             tokens, logprobs = batch.admit(admitted)
-            record_tokens(admitted, tokens, logprobs, version=self._version, tokenizer=tokenizer, hooks=self)
+            self.sampled(
+                record_tokens(admitted, tokens, logprobs, version=version, tokenizer=tokenizer, hooks=self)
+            )
             batch.retire()
         if batch.rows:
             rows = batch.rows
             tokens, logprobs = batch.step()
-            record_tokens(rows, tokens, logprobs, version=self._version, tokenizer=tokenizer, hooks=self)
+            self.sampled(
+                record_tokens(rows, tokens, logprobs, version=version, tokenizer=tokenizer, hooks=self)
+            )
 
     def _take_rows(self, live: int, free: int, longest: int) -> list[Row]:
         """Queued rows that fit the free slots, the token budget and the prefill budget (under
@@ -430,6 +437,16 @@ class TorchEngine(EngineWeights):
                 if not self._paused or self._stopping or all(r.finish is not None for r in live):
                     return
                 self._cond.wait(_IDLE_WAIT_S)
+
+    def count_tokens(self, counter: Callable[[int], None]) -> None:
+        """Report the tokens of each decode step to ``counter`` (a ``TokenCountingEngine``)."""
+        self._token_counter = counter
+
+    def sampled(self, count: int) -> None:
+        """``count`` tokens were sampled in one step (worker thread): counted as they are made."""
+        counter = self._token_counter
+        if counter is not None and count:
+            counter(count)
 
     def finish(self, row: Row, reason: FinishReason, error: str = "") -> None:
         """Complete one sample (thread-safe); called by the backend when a row stops."""

@@ -165,6 +165,8 @@ class DecodeHooks(Protocol):
 
     def after_step(self, live: list[Row]) -> None: ...
 
+    def sampled(self, count: int) -> None: ...
+
 
 def _left_pad(rows: list[Row], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [B, L] and attention mask [B, L] with prompts right-aligned."""
@@ -205,7 +207,9 @@ def decode_batch(loaded: LoadedModel, rows: list[Row], *, device: torch.device, 
         active = [row.finish is None for row in live]
         tokens, logprobs = sampler.sample(logits, active)
         version = hooks.current_version()
-        record_tokens(live, tokens, logprobs, version=version, tokenizer=loaded.tokenizer, hooks=hooks)
+        hooks.sampled(
+            record_tokens(live, tokens, logprobs, version=version, tokenizer=loaded.tokenizer, hooks=hooks)
+        )
         hooks.after_step(live)
         keep = [i for i, row in enumerate(live) if row.finish is None]
         if not keep:

@@ -214,12 +214,15 @@ def record_tokens(
     version: int,
     tokenizer: object | None,
     hooks: FinishHook,
-) -> None:
-    """Append each unfinished row's sampled token, logprob and policy version; finish rows that stop."""
+) -> int:
+    """Append each unfinished row's sampled token, logprob and policy version; finish rows that
+    stop. Returns how many tokens were appended (the engine counts them as they are made)."""
     now = time.monotonic()
+    appended = 0
     for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
         if row.finish is not None:
             continue
+        appended += 1
         row.tokens.append(token)
         row.logprobs.append(logprob)
         row.versions.append(version)
@@ -231,6 +234,7 @@ def record_tokens(
         reason = finish_reason(row, tokenizer)
         if reason is not None:
             hooks.finish(row, reason)
+    return appended
 
 
 def validate_request(request: GenerationRequest, loaded: LoadedModel) -> None:

@@ -1,0 +1,88 @@
+"""Prometheus metrics of the rollout runner: groups through each stage, the stages' seconds,
+the groups in flight, and (with a ``BusLagCollector``) the lag of the prompts streams it reads."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.bus_lag import BusLagCollector
+from services.common.pb import common_pb2
+
+STAGE_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+
+class RunnerMetrics:
+    """The runner's series, in a registry of its own (tests run several runners in one process)."""
+
+    def __init__(self, bus_lag: BusLagCollector | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.bus_lag = bus_lag
+        if bus_lag is not None:
+            self.registry.register(bus_lag)
+        self.groups = Counter(
+            "verst_runner_groups",
+            "Groups through each stage: generated (samples back from the router), scored, published.",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.groups_failed = Counter(
+            "verst_runner_groups_failed",
+            "Tasks that ended without a publish: invalid (dead-lettered), retry (a service failed) or error.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "verst_runner_groups_in_flight", "Tasks (groups) being rolled out now.", registry=self.registry
+        )
+        self.stage_seconds = Histogram(
+            "verst_runner_stage_seconds",
+            "Seconds of one group in each stage: generate (router, resumes included), score, publish.",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch(self, stream: str, group: str) -> None:
+        if self.bus_lag is not None:
+            self.bus_lag.watch(stream, group)
+
+    def unwatch(self, stream: str, group: str) -> None:
+        if self.bus_lag is not None:
+            self.bus_lag.unwatch(stream, group)
+
+    def rolled_out(self, trajectories: list[common_pb2.Trajectory], picked: float) -> None:
+        """A group came back scored: its generate and score stages, from its StageTimes."""
+        if not trajectories:
+            return
+        stages = trajectories[0].stages
+        if stages.generated > 0:
+            self.groups.labels("generated").inc()
+            self.stage_seconds.labels("generate").observe(max(0.0, stages.generated - picked))
+        if stages.scored > 0:
+            self.groups.labels("scored").inc()
+            self.stage_seconds.labels("score").observe(max(0.0, stages.scored - stages.generated))
+
+    def published(self, seconds: float) -> None:
+        self.groups.labels("published").inc()
+        self.stage_seconds.labels("publish").observe(seconds)
+
+    def close(self) -> None:
+        if self.bus_lag is not None:
+            self.bus_lag.close()
