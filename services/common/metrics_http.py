@@ -11,7 +11,32 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.common.settings import ServiceSettings
+
 log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+"""Histogram buckets of every latency in seconds, from a health check (a millisecond) to a long
+generation or step (ten minutes): one set, so that panels of different services line up."""
 
 _CLOSE_TIMEOUT_S = 5.0
 """How long closing waits for the server's thread."""
@@ -57,3 +82,17 @@ def serving_metrics(
         yield server
     finally:
         server.close()
+
+
+def serving_service_metrics(
+    registry: CollectorRegistry, settings: ServiceSettings
+) -> contextlib.AbstractContextManager[MetricsServer | None]:
+    """``serving_metrics`` on a service's own ``host``, ``metrics_port`` and ``metrics_enabled`` (on
+    when the settings have no such field), errors naming the service's metrics port variable."""
+    return serving_metrics(
+        registry,
+        settings.host,
+        settings.metrics_port,  # type: ignore[attr-defined]
+        getattr(settings, "metrics_enabled", True),
+        setting=type(settings).env_name("metrics_port"),
+    )

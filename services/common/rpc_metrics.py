@@ -18,25 +18,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-RPC_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    300.0,
-)
-"""From a health check (a millisecond) to a long generation (minutes)."""
+from services.common.metrics_http import LATENCY_BUCKETS
+
 CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 Behaviour = Callable[..., Any]
@@ -71,7 +54,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
             "verst_rpc_seconds",
             "Time of an RPC this process served, from its handler's start to its last response.",
             ["service", "method", "code"],
-            buckets=RPC_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.calls = Counter(

@@ -14,7 +14,7 @@ import logging
 from services.common.bus import Bus, connect
 from services.common.grpc_server import serve
 from services.common.jobs import JobStore
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
@@ -30,11 +30,8 @@ async def drive_jobs(
     bus = Bus(
         connect(redis_url, outage_s=settings.redis_outage_s, max_connections=settings.redis_max_connections)
     )
-    port_setting = ControllerSettings.env_name("metrics_port")
     try:
-        with serving_metrics(
-            metrics.registry, settings.host, settings.metrics_port, enabled=True, setting=port_setting
-        ):
+        with serving_service_metrics(metrics.registry, settings):
             store = JobStore(bus.redis, events_maxlen=settings.events_maxlen)
             await Controller(bus, store, settings, metrics).run(stop)
     finally:

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common.grpc_server import run
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.pb import reward_pb2, reward_pb2_grpc
 from services.common.settings import load_settings, setup_logging
 from services.reward import tools
@@ -309,8 +309,5 @@ def main() -> None:
     settings = load_settings(RewardSettings)
     setup_logging(settings.service_name, settings.log_level)
     metrics = RewardMetrics()
-    port_setting = RewardSettings.env_name("metrics_port")
-    with serving_metrics(
-        metrics.registry, settings.host, settings.metrics_port, settings.metrics_enabled, setting=port_setting
-    ):
+    with serving_service_metrics(metrics.registry, settings):
         run(settings, lambda server: register(server, settings, metrics), registry=metrics.registry)

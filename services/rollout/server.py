@@ -21,7 +21,7 @@ import torch
 from services.common.bus import connect
 from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.settings import load_settings, require_redis_url, setup_logging
@@ -140,13 +140,7 @@ async def serve_engine(settings: EngineSettings) -> None:
             return
         try:
             app = EngineApp(settings, redis, engine)
-            with serving_metrics(
-                app.metrics.registry,
-                settings.host,
-                settings.metrics_port,
-                settings.metrics_enabled,
-                setting="VERST_ENGINE_METRICS_PORT",
-            ):
+            with serving_service_metrics(app.metrics.registry, settings):
                 await serve(settings, app.register, background=app.run, registry=app.metrics.registry)
         finally:
             await engine.close()

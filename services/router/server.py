@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from services.common.bus import connect
 from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.router.config import RouterSettings
@@ -398,12 +398,9 @@ async def serve_router(settings: RouterSettings) -> None:
         max_connections=settings.redis_max_connections,
     )
     router = Router(settings, EngineRegistry(redis))
-    port_setting = RouterSettings.env_name("metrics_port")
     registry = router.metrics.registry
     try:
-        with serving_metrics(
-            registry, settings.host, settings.metrics_port, settings.metrics_enabled, setting=port_setting
-        ):
+        with serving_service_metrics(registry, settings):
             await serve(settings, router.register, background=router.run, registry=registry)
     finally:
         await router.close()

@@ -37,7 +37,7 @@ from services.common.grpc_server import serve
 from services.common.job_tokenizer import load_job_tokenizer
 from services.common.jobs import JobRecord, JobStore
 from services.common.leases import renew_every
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
@@ -370,15 +370,8 @@ def main() -> None:
     setup_logging(settings.service_name, settings.log_level)
     redis_url = require_redis_url(settings)
     metrics = RunnerMetrics(BusLagCollector(redis_url))
-    port_setting = RunnerSettings.env_name("metrics_port")
     try:
-        with serving_metrics(
-            metrics.registry,
-            settings.host,
-            settings.metrics_port,
-            settings.metrics_enabled,
-            setting=port_setting,
-        ):
+        with serving_service_metrics(metrics.registry, settings):
             consume = functools.partial(_consume_until, settings, redis_url, metrics)
             asyncio.run(serve(settings, background=consume, registry=metrics.registry))
     finally:

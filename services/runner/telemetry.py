@@ -6,26 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.bus_lag import BusLagCollector
+from services.common.metrics_http import LATENCY_BUCKETS
 from services.common.pb import common_pb2
-
-STAGE_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
 
 
 class RunnerMetrics:
@@ -55,7 +37,7 @@ class RunnerMetrics:
             "verst_runner_stage_seconds",
             "Seconds of one group in each stage: generate (router, resumes included), score, publish.",
             ["stage"],
-            buckets=STAGE_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
 

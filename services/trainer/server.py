@@ -15,7 +15,7 @@ import torch
 from services.common.bus import Bus
 from services.common.bus_lag import BusLagCollector
 from services.common.grpc_server import Register, serve
-from services.common.metrics_http import serving_metrics
+from services.common.metrics_http import serving_service_metrics
 from services.common.pb import trainer_pb2, trainer_pb2_grpc
 from services.common.settings import load_settings, require_redis_url, setup_logging
 from services.trainer.config import TrainerSettings
@@ -105,15 +105,8 @@ async def serve_trainer(settings: TrainerSettings, device: torch.device | None =
     )
     metrics = TrainerMetrics(BusLagCollector(redis_url))
     worker = TrainerWorker(bus, settings, device, metrics)
-    port_setting = TrainerSettings.env_name("metrics_port")
     try:
-        with serving_metrics(
-            metrics.registry,
-            settings.host,
-            settings.metrics_port,
-            settings.metrics_enabled,
-            setting=port_setting,
-        ):
+        with serving_service_metrics(metrics.registry, settings):
             await serve(settings, registrar(worker), background=worker.run, registry=metrics.registry)
     finally:
         metrics.close()
