@@ -9,7 +9,7 @@ import uvicorn
 
 from services.api.config import ApiSettings
 from services.api.server import create_app
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.controller.config import ControllerSettings
 
 
@@ -22,7 +22,7 @@ def _after_shutdown(signum: int, frame: FrameType | None) -> None:
 if __name__ == "__main__":
     settings = load_settings(ApiSettings)
     setup_logging(settings.service_name, settings.log_level)
-    require_redis_url(settings)  # exit now with a clear message rather than in the app's startup
+    redis_target(settings)  # exit now with a clear message rather than in the app's startup
     controller = load_settings(ControllerSettings) if settings.controller else None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _after_shutdown)

@@ -34,6 +34,7 @@ from services.api.exports import JobId
 from services.api.guard import error_responses
 from services.common.events import START, EventLog
 from services.common.jobs import JobStore
+from services.common.redis_client import AsyncClient, RedisTarget, async_client
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,21 @@ LastEventId = Annotated[
 ]
 
 
-def event_client(url: str, settings: ApiSettings) -> aioredis.Redis:
+def event_client(url: str | RedisTarget, settings: ApiSettings) -> AsyncClient:
     """The event streams' Redis client: ``event_connections`` at most, each read's reply due within
     its block time plus ``request_timeout_s``."""
     timeout = settings.request_timeout_s
-    pool = aioredis.BlockingConnectionPool.from_url(
+    return async_client(
         url,
         max_connections=settings.event_connections,
-        timeout=timeout,
-        socket_timeout=timeout + READ_BLOCK_MS / 1000,
-        socket_connect_timeout=timeout,
+        pool_wait_s=timeout,
+        socket_timeout_s=timeout + READ_BLOCK_MS / 1000,
+        socket_connect_timeout_s=timeout,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=15,
+        cluster_retries=2,
+        pool_class=aioredis.BlockingConnectionPool,
     )
-    return aioredis.Redis.from_pool(pool)
 
 
 async def follow(

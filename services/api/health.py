@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api.config import ApiSettings
+from services.common.redis_client import AsyncClient, RedisTarget, async_client
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +44,22 @@ REDIS_ERROR_LOG_EVERY_S = 10.0
 """At most one log line per this many seconds for the 503s that Redis errors cause."""
 
 
-def request_client(url: str, settings: ApiSettings) -> aioredis.Redis:
+def request_client(url: str | RedisTarget, settings: ApiSettings) -> AsyncClient:
     """A Redis client for the request handlers, on a BlockingConnectionPool of their own.
 
     It fails fast rather than riding out an outage (two quick retries of a dropped connection):
     a request is answered 503 within a few ``request_timeout_s`` and the client asks again."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    return async_client(
         url,
         max_connections=settings.request_connections,
-        timeout=settings.request_timeout_s,
-        socket_timeout=settings.request_timeout_s,
-        socket_connect_timeout=settings.request_timeout_s,
+        pool_wait_s=settings.request_timeout_s,
+        socket_timeout_s=settings.request_timeout_s,
+        socket_connect_timeout_s=settings.request_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=15,
+        cluster_retries=2,
+        pool_class=aioredis.BlockingConnectionPool,
     )
-    return aioredis.Redis.from_pool(pool)
 
 
 def short_error(err: BaseException) -> str:

@@ -36,7 +36,7 @@ from services.common.bus import Bus, connect
 from services.common.config import JobSpec
 from services.common.events import EventLog
 from services.common.jobs import CANCELLED, JobBrief, JobNotFoundError, JobRecord, JobStore, MetricRow
-from services.common.settings import load_settings, require_redis_url
+from services.common.settings import load_settings, redis_target
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
 from services.controller.telemetry import ControllerMetrics
@@ -172,7 +172,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        url = require_redis_url(settings)
+        url = redis_target(settings)
         bus = Bus(
             connect(url, outage_s=settings.redis_outage_s, max_connections=settings.redis_max_connections)
         )

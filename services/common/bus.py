@@ -12,16 +12,15 @@ reason and original bytes, and is acked, so it never blocks the stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
-from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
 from google.protobuf.message import Message
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, ResponseError
+from redis.exceptions import ResponseError
 
 from services.common.outage import DEFAULT_OUTAGE_S, RETRIED_ERRORS, OutageClock, OutageRetry
 from services.common.payloads import (
@@ -32,6 +31,16 @@ from services.common.payloads import (
     non_finite_metrics,
 )
 from services.common.pb import common_pb2
+from services.common.redis_client import (
+    CLUSTER_RETRY_CAP_S,
+    AsyncClient,
+    RedisTarget,
+    as_target,
+    async_client,
+    is_cluster,
+    slot_groups,
+    socket_timeout_of,
+)
 from services.common.streams import JobStreams, dead_letter_stream
 
 log = logging.getLogger(__name__)
@@ -70,62 +79,37 @@ class _Rejected:
     no_replacement: bool = False
 
 
-class BoundedPool(aioredis.BlockingConnectionPool):
-    """redis-py's blocking pool: a command waits for a free connection up to its ``timeout``
-    (a burst of commands queues rather than fails), then fails with MaxConnectionsError, logged,
-    which says the pool ran dry and what to raise (redis-py's says "No connection available", a
-    ConnectionError that would pass for a Redis outage and be retried)."""
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().get_connection(*args, **kwargs)
-        except RedisConnectionError as err:
-            if not isinstance(err.__cause__, TimeoutError):  # a real connection failure
-                raise
-            text = (
-                f"Redis connection pool exhausted: all {self.max_connections} connections in use for "
-                f"{self.timeout}s (raise VERST_REDIS_MAX_CONNECTIONS, or look for a leak of blocking reads)"
-            )
-            log.error("%s", text)
-            raise MaxConnectionsError(text) from None
-
-
 def connect(
-    url: str,
+    target: str | RedisTarget,
     *,
     socket_timeout_s: float = 30.0,
     outage_s: float = DEFAULT_OUTAGE_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_wait_s: float = POOL_WAIT_S,
-) -> aioredis.Redis:
-    """An asyncio Redis client that rides through Redis outages of up to ``outage_s``
-    (services pass ``VERST_REDIS_OUTAGE_S``): services/common/outage.py.
+) -> AsyncClient:
+    """An asyncio Redis client (redis_client.py: a server, Sentinel's master or a cluster) that
+    rides through Redis outages of up to ``outage_s`` (services pass ``VERST_REDIS_OUTAGE_S``):
+    services/common/outage.py. On a cluster the bound is a count of retries that back off up to
+    CLUSTER_RETRY_CAP_S each, so about ``outage_s``.
 
     ``socket_timeout_s`` bounds every reply; it must exceed any block timeout. At most
-    ``max_connections`` are open at once (``VERST_REDIS_MAX_CONNECTIONS``); a command that finds
-    none free for ``pool_wait_s`` fails, saying so (BoundedPool).
+    ``max_connections`` are open at once (``VERST_REDIS_MAX_CONNECTIONS``; per node on a
+    cluster); a command that finds none free for ``pool_wait_s`` fails, saying so (BoundedPool).
     """
-    clock = OutageClock(_server_name(url))
-    pool = BoundedPool.from_url(
-        url,
+    target = as_target(target)
+    clock = OutageClock(target.describe())
+    client = async_client(
+        target,
+        socket_timeout_s=socket_timeout_s,
         max_connections=max_connections,
-        timeout=pool_wait_s,
-        decode_responses=False,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=5.0,
+        pool_wait_s=pool_wait_s,
         retry=OutageRetry(clock, outage_s),
         retry_on_error=list(RETRIED_ERRORS),
-        health_check_interval=15,
+        cluster_retries=max(3, math.ceil(outage_s / CLUSTER_RETRY_CAP_S)),
     )
-    client = aioredis.Redis.from_pool(pool)
-    clock.on_recovery = lambda: client.connection_pool.disconnect(inuse_connections=False)
+    if not is_cluster(client):
+        clock.on_recovery = lambda: client.connection_pool.disconnect(inuse_connections=False)
     return client
-
-
-def _server_name(url: str) -> str:
-    """host:port/db of a Redis URL, without its credentials."""
-    parts = urlsplit(url)
-    return parts.netloc.rpartition("@")[2] + parts.path
 
 
 def encode(message: Message) -> dict[bytes, bytes]:
@@ -154,7 +138,7 @@ class Bus:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: AsyncClient,
         *,
         maxlen: int = DEFAULT_MAXLEN,
         max_deliveries: int = 5,
@@ -165,13 +149,13 @@ class Bus:
         self.redis = client
         self.maxlen = maxlen
         self.max_deliveries = max_deliveries
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout_of(client)
         self.block_limit_ms = block_limit_ms or int(((timeout or 30.0) - 1.0) * 1000)
 
     @classmethod
     def from_url(
         cls,
-        url: str,
+        url: str | RedisTarget,
         *,
         outage_s: float = DEFAULT_OUTAGE_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -300,13 +284,21 @@ class Bus:
     ) -> dict[str, list[Delivery[Any]]]:
         """New entries of several streams (each with its message type) for this consumer of one
         group, in one XREADGROUP: one connection, waiting at most ``block_ms`` for the first entry
-        of any; at most ``count`` per stream. Every stream asked for has a list, maybe empty."""
+        of any; at most ``count`` per stream. Every stream asked for has a list, maybe empty.
+        On a cluster, one XREADGROUP per hash slot (a job's streams share one), run together."""
         if not 0 < block_ms <= self.block_limit_ms:
             raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
-        reply = await self.redis.xreadgroup(
-            group, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
+        replies = await asyncio.gather(
+            *(
+                self.redis.xreadgroup(group, consumer, dict.fromkeys(names, ">"), count=count, block=block_ms)
+                for names in slot_groups(list(streams), self.redis)
+            )
         )
-        got = {(name.decode() if isinstance(name, bytes) else name): entries for name, entries in reply or []}
+        got = {
+            (name.decode() if isinstance(name, bytes) else name): entries
+            for reply in replies
+            for name, entries in _stream_replies(reply)
+        }
         return {
             stream: await self._decode_all(stream, group, consumer, kind, got.get(stream, []), {})
             for stream, kind in streams.items()
@@ -506,6 +498,14 @@ class Bus:
         await self._dead_letter_all(
             stream, group, consumer, [_Rejected(eid.decode(), reason, "", b"", 0) for eid in gone]
         )
+
+
+def _stream_replies(reply: Any) -> list[tuple[bytes | str, list[Any]]]:
+    """XREADGROUP's reply as (stream, entries) pairs: a list from one server, a dict (RESP3, or
+    redis-py's cluster client) otherwise."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(name, entries) for name, entries in reply]
 
 
 def _id_key(entry_id: bytes | str) -> tuple[int, int]:

@@ -18,6 +18,8 @@ import redis
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.redis_client import RedisTarget, sync_client
+
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -54,10 +56,8 @@ def lag_seconds(
 class BusLagCollector(Collector):
     """``verst_bus_pending`` and ``verst_bus_lag_seconds`` {stream, group} of the watched streams."""
 
-    def __init__(self, redis_url: str) -> None:
-        self._client = redis.Redis.from_url(
-            redis_url, socket_timeout=SCRAPE_TIMEOUT_S, socket_connect_timeout=SCRAPE_TIMEOUT_S
-        )
+    def __init__(self, redis_url: str | RedisTarget) -> None:
+        self._client = sync_client(redis_url, socket_timeout_s=SCRAPE_TIMEOUT_S)
         self._watched: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._failing = False

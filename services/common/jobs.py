@@ -2,7 +2,7 @@
 
 Keys (besides the streams of services/common/streams.py):
 
-- ``verst:job:{id}`` (hash): spec_json, name, state (a JobState name such as
+- ``verst:job:{<id>}`` (hash): spec_json, name, state (a JobState name such as
   ``"JOB_STATE_RUNNING"``), policy_version, step, reason, submitted_at and
   updated_at (unix seconds), metrics_json (the latest value of every metric,
   keyed ``"{source}/{name}"``, e.g. ``"eval/accuracy"``), issued_batches and
@@ -12,9 +12,9 @@ Keys (besides the streams of services/common/streams.py):
   of work was lost: groups the trainer reported dropped, counted once per
   control-stream entry, and dead-lettered prompt tasks and trajectories,
   counted once per dead-letter entry; each wants a replacement prompt).
-- ``verst:jobs:index`` (sorted set): job ids by submit time.
-- ``verst:jobs:active`` (set): ids of the jobs that are not finished yet.
-- ``verst:job:{id}:history`` (list): one JSON row per received Metric,
+- ``verst:{global}:jobs:index`` (sorted set): job ids by submit time.
+- ``verst:{global}:jobs:active`` (set): ids of the jobs that are not finished yet.
+- ``verst:job:{<id>}:history`` (list): one JSON row per received Metric,
   ``{"step", "policy_version", "source", "values", "time"}``, oldest first,
   capped at ``HISTORY_LIMIT`` rows.
 
@@ -23,10 +23,16 @@ module: no other code spells these keys or parses a JobSpec's JSON. Terminal
 states are final: the state changes are checked and applied atomically in Redis.
 Each state change and each merged metric row is logged on the job's event log
 (services/common/events.py) in the same atomic step.
+
+A job's keys share one hash tag and the global keys another (streams.py), so on Redis Cluster
+each atomic step stays within one slot: a step over a job's keys and the global ones (create,
+a terminal state leaving the active set) is two, the job's first; a read over many jobs is a
+pipeline, which a cluster client splits by node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -34,15 +40,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from services.common import job_scripts
 from services.common.bus import DEFAULT_MAXLEN, encode
 from services.common.config import JobSpec, JobSpecError, parse_job_spec
 from services.common.events import DEFAULT_EVENTS_MAXLEN, EventLog, metrics_event, state_event
 from services.common.payloads import NonFiniteMetricError, non_finite_metrics
 from services.common.pb import common_pb2
-from services.common.streams import CONTROLLER_GROUP, JOB_INDEX, JOBS, PREFIX, JobStreams, job_key
+from services.common.redis_client import AsyncClient
+from services.common.streams import ACTIVE_JOBS, CONTROLLER_GROUP, JOB_INDEX, JOBS, JobStreams, job_key
 
 QUEUED = common_pb2.JobState.Name(common_pb2.JOB_STATE_QUEUED)
 RUNNING = common_pb2.JobState.Name(common_pb2.JOB_STATE_RUNNING)
@@ -54,8 +59,6 @@ TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED})
 JOB_STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 """Every state a job record can be in, in lifecycle order."""
 
-ACTIVE_JOBS = f"{PREFIX}:jobs:active"
-"""Set of the ids of jobs not yet in a terminal state."""
 HISTORY_LIMIT = 100_000
 """Rows kept in a job's metrics history (the oldest are dropped first)."""
 
@@ -209,7 +212,7 @@ class JobStore:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: AsyncClient,
         *,
         history_limit: int = HISTORY_LIMIT,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
@@ -220,12 +223,11 @@ class JobStore:
         self._set_state = redis.register_script(job_scripts.SET_STATE)
         self._progress = redis.register_script(job_scripts.PROGRESS)
         self._count_dropped = redis.register_script(job_scripts.COUNT_DROPPED)
-        self._hmget_many = redis.register_script(job_scripts.HMGET_MANY)
-        self._overview = redis.register_script(job_scripts.OVERVIEW)
-        self._list_digest = redis.register_script(job_scripts.LIST_DIGEST)
 
     async def create(self, spec: JobSpec) -> JobRecord:
-        """Store a QUEUED job and publish its JobSubmission on ``verst:jobs``, atomically."""
+        """Store a QUEUED job, then index it and publish its JobSubmission on ``JOBS`` (two
+        atomic steps, one per hash tag: a failure between leaves a record no list or trainer
+        sees, and raises)."""
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
         now = time.time()
         message = submission(job_id, spec, now)
@@ -243,13 +245,15 @@ class JobStore:
             "issued_extra": 0,
             "dropped_groups": 0,
         }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(job_key(job_id), mapping=fields)
-        pipe.zadd(JOB_INDEX, {job_id: now})
-        pipe.sadd(ACTIVE_JOBS, job_id)
-        pipe.xadd(JOBS, encode(message), maxlen=DEFAULT_MAXLEN)
-        self.events.add(pipe, state_event(job_id, QUEUED, "", now))
-        await pipe.execute()
+        record = self.redis.pipeline(transaction=True)
+        record.hset(job_key(job_id), mapping=fields)
+        self.events.add(record, state_event(job_id, QUEUED, "", now))
+        await record.execute()
+        listed = self.redis.pipeline(transaction=True)
+        listed.zadd(JOB_INDEX, {job_id: now})
+        listed.sadd(ACTIVE_JOBS, job_id)
+        listed.xadd(JOBS, encode(message), maxlen=DEFAULT_MAXLEN)
+        await listed.execute()
         return await self.get(job_id)
 
     async def get(self, job_id: str) -> JobRecord:
@@ -288,13 +292,17 @@ class JobStore:
         return await self.briefs(ids)
 
     async def list_digest(self, limit: int = 100) -> str:
-        """A digest of what ``list_briefs(limit)`` would return now (one round trip, no record
-        sent): unchanged while no job is added to those and none of them is written."""
-        digest = await self._list_digest(keys=[JOB_INDEX], args=[max(limit, 1), job_key("")])
-        return digest.decode()
+        """A digest of what ``list_briefs(limit)`` would return now (two round trips, no record
+        sent): the listed ids and the time each was last written (every write sets it), so it is
+        unchanged while no job is added to those and none of them is written."""
+        ids = [raw.decode() for raw in await self.redis.zrevrange(JOB_INDEX, 0, max(limit, 1) - 1)]
+        rows = await self._fields(ids, ["updated_at"])
+        pairs = zip(ids, rows, strict=True)
+        text = ",".join(f"{job_id}={(updated or b'').decode()}" for job_id, (updated,) in pairs)
+        return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
     async def briefs(self, ids: Sequence[str]) -> list[JobBrief]:
-        """The briefs of the jobs ``ids`` that exist, in that order, in one command."""
+        """The briefs of the jobs ``ids`` that exist, in that order, in one round trip."""
         briefs = []
         for job_id, row in zip(ids, await self._fields(ids, BRIEF_FIELDS), strict=True):
             if row[1] is not None:  # the job exists
@@ -304,18 +312,20 @@ class JobStore:
 
     async def active_overview(self) -> list[ActiveJob]:
         """Every unfinished job's state, submit time and whether its trainer has published a
-        checkpoint or status yet, oldest first: two commands whatever the number of jobs, and no
-        spec read."""
+        checkpoint or status yet, oldest first: two round trips whatever the number of jobs, and
+        no spec read."""
         ids = [raw.decode() for raw in await self.redis.smembers(ACTIVE_JOBS)]
         if not ids:
             return []
-        keys = []
+        pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
-            keys += [job_key(job_id), JobStreams(job_id).checkpoints, JobStreams(job_id).status]
-        values = await self._overview(keys=keys)
+            pipe.hmget(job_key(job_id), ["state", "submitted_at"])
+            pipe.xlen(JobStreams(job_id).checkpoints)
+            pipe.xlen(JobStreams(job_id).status)
+        values = await pipe.execute()
         jobs = [
-            ActiveJob(job_id, state.decode(), float(submitted_at or 0.0), int(spoken) > 0)
-            for job_id, state, submitted_at, spoken in zip(
+            ActiveJob(job_id, state.decode(), float(submitted_at or 0.0), checkpoints + statuses > 0)
+            for job_id, (state, submitted_at), checkpoints, statuses in zip(
                 ids, values[0::3], values[1::3], values[2::3], strict=True
             )
             if state is not None and state.decode() not in TERMINAL_STATES
@@ -348,19 +358,22 @@ class JobStore:
 
     async def set_state(self, job_id: str, state: str, reason: str = "") -> bool:
         """Move a job to ``state``; False (nothing changes) when the job already finished.
+        A terminal state then leaves the active set (a second step: the set is a global key;
+        readers of the set skip finished jobs, and a repeated call repairs a missed removal).
 
         Raises JobNotFoundError for an unknown job and ValueError for an unknown state.
         """
         if state not in JOB_STATES:
             raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
-        terminal = "1" if state in TERMINAL_STATES else "0"
+        terminal = state in TERMINAL_STATES
         now = time.time()
         events_key, event_args = self.events.script_args(state_event(job_id, state, reason, now))
-        keys = [job_key(job_id), ACTIVE_JOBS, events_key]
-        args = [state, reason, repr(now), terminal, job_id, *event_args]
-        applied = await self._set_state(keys=keys, args=args)
+        keys = [job_key(job_id), events_key]
+        applied = await self._set_state(keys=keys, args=[state, reason, repr(now), *event_args])
         if applied == -1:
             raise JobNotFoundError(job_id)
+        if terminal:
+            await self.redis.srem(ACTIVE_JOBS, job_id)
         return applied == 1
 
     async def update_progress(self, job_id: str, policy_version: int, step: int) -> bool:
@@ -474,11 +487,13 @@ class JobStore:
         return rows[-limit:]
 
     async def _fields(self, ids: Sequence[str], fields: Sequence[str]) -> list[list[bytes | None]]:
-        """The ``fields`` of each job's hash (None where missing), in one command."""
+        """The ``fields`` of each job's hash (None where missing), in one round trip."""
         if not ids:
             return []
-        values = await self._hmget_many(keys=[job_key(job_id) for job_id in ids], args=list(fields))
-        return [values[n * len(fields) : (n + 1) * len(fields)] for n in range(len(ids))]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(job_key(job_id), list(fields))
+        return [list(values) for values in await pipe.execute()]
 
     async def _records(self, ids: list[str]) -> list[JobRecord]:
         pipe = self.redis.pipeline(transaction=False)

@@ -57,8 +57,9 @@ RETRIED_ERRORS: tuple[type[RedisError], ...] = (RedisConnectionError, RedisTimeo
 """Errors of an unreachable, restarting or loading server."""
 _PERMANENT = (AuthenticationError, AuthorizationError, MaxConnectionsError)
 """ConnectionErrors that waiting does not cure: they are raised at once."""
-_CONNECT_STEPS = ("connect", "connect_check_health")
-"""redis-py's connection methods whose retried steps only open a socket (no command)."""
+_CONNECT_STEPS = ("connect", "connect_check_health", "_connect_retry")
+"""redis-py's connection methods whose retried steps only open a socket (no command);
+``_connect_retry``: a Sentinel-managed connection's (asks Sentinel for the master, then connects)."""
 
 
 class RedisOutageError(RedisConnectionError):
@@ -157,8 +158,10 @@ def _opens_socket(do: Callable[..., Any]) -> bool:
 
 
 def outage_clock(client: aioredis.Redis) -> OutageClock | None:
-    """The OutageClock of a client made by ``bus.connect`` (None for another client)."""
-    retry = client.connection_pool.connection_kwargs.get("retry")
+    """The OutageClock of a client made by ``bus.connect`` (None for another client, and for a
+    cluster's: it counts retries instead)."""
+    pool = getattr(client, "connection_pool", None)
+    retry = pool.connection_kwargs.get("retry") if pool is not None else None
     return retry.clock if isinstance(retry, OutageRetry) else None
 
 

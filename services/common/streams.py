@@ -1,20 +1,34 @@
-"""Names of the Redis streams and consumer groups: the one place they are spelled."""
+"""Names of the Redis keys, streams and consumer groups: the one place they are spelled.
+
+Every key carries a Redis Cluster hash tag (the part in braces), so that the keys a transaction
+or script touches together live in one slot: each job's keys share the tag ``{<job id>}``
+(``verst:job:{<id>}:prompts``, ...), and the global keys share ``{global}``. A command over the
+keys of several jobs is split by slot on a cluster (bus.read_many, the job store's reads).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PREFIX = "verst"
-JOBS = f"{PREFIX}:jobs"
+GLOBAL = f"{PREFIX}:{{global}}"
+"""Prefix of the keys that belong to no job: one hash tag, so one slot of a cluster."""
+JOBS = f"{GLOBAL}:jobs"
 """Submitted jobs (JobSubmission); trainers claim them through a consumer group."""
-DEAD = f"{PREFIX}:dead"
-"""Dead letters of streams that belong to no job."""
-JOB_INDEX = f"{PREFIX}:jobs:index"
+DEAD = f"{GLOBAL}:dead"
+"""Dead letters of streams that belong to no job (such as ``JOBS``)."""
+JOB_INDEX = f"{GLOBAL}:jobs:index"
 """Sorted set of job ids by submission time."""
-ENGINES = f"{PREFIX}:engines"
+ACTIVE_JOBS = f"{GLOBAL}:jobs:active"
+"""Set of the ids of jobs not yet in a terminal state (services/common/jobs.py)."""
+ENGINES = f"{GLOBAL}:engines"
 """Hash: engine id -> serialized EngineInfo (the registry the router reads)."""
-ENGINE_HEARTBEATS = f"{PREFIX}:engines:heartbeat"
+ENGINE_HEARTBEATS = f"{GLOBAL}:engines:heartbeat"
 """Sorted set: engine id -> unix time of its last heartbeat."""
+SERVICE_RESTARTS = f"{GLOBAL}:services:restarts"
+"""Hash: service name -> JSON restart record of a local stack (services/common/service_restarts.py)."""
+_JOB_KEY = re.compile(rf"^{PREFIX}:job:\{{([^{{}}]+)\}}:[A-Za-z_]+$")
 
 
 # Consumer groups: who reads which stream.
@@ -29,18 +43,21 @@ CONTROLLER_GROUP = "controller"
 
 
 def job_key(job_id: str) -> str:
-    """Hash holding one job's record (read and written through services/common/jobs.py only)."""
-    return f"{PREFIX}:job:{job_id}"
+    """Hash holding one job's record (read and written through services/common/jobs.py only);
+    the job's other keys are ``job_key(id) + ":<kind>"``."""
+    if not job_id or "{" in job_id or "}" in job_id:
+        raise ValueError(f"job id {job_id!r} is empty or has a brace (it is the key's hash tag)")
+    return f"{PREFIX}:job:{{{job_id}}}"
 
 
 @dataclass(frozen=True, slots=True)
 class JobStreams:
-    """The streams of one job: ``verst:job:{id}:<kind>``."""
+    """The streams of one job: ``verst:job:{<id>}:<kind>`` (one hash tag: one cluster slot)."""
 
     job_id: str
 
     def _key(self, kind: str) -> str:
-        return f"{PREFIX}:job:{self.job_id}:{kind}"
+        return f"{job_key(self.job_id)}:{kind}"
 
     @property
     def prompts(self) -> str:
@@ -97,14 +114,13 @@ class JobStreams:
 
 
 def job_of_stream(stream: str) -> str | None:
-    """The job a stream belongs to (``verst:job:{id}:<kind>``); None for other streams."""
-    parts = stream.split(":")
-    if len(parts) == 4 and parts[0] == PREFIX and parts[1] == "job" and parts[2]:
-        return parts[2]
-    return None
+    """The job a stream belongs to (``verst:job:{<id>}:<kind>``); None for other streams."""
+    match = _JOB_KEY.match(stream)
+    return match.group(1) if match else None
 
 
 def dead_letter_stream(stream: str) -> str:
-    """The dead-letter stream for entries of ``stream``: the job's own, else the global one."""
+    """The dead-letter stream for entries of ``stream``: the job's own, else the global one (in
+    the slot of the other global keys: a dead letter and its ack are one MULTI)."""
     job_id = job_of_stream(stream)
     return DEAD if job_id is None else JobStreams(job_id).dead

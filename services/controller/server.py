@@ -15,7 +15,8 @@ from services.common.bus import Bus, connect
 from services.common.grpc_server import serve
 from services.common.jobs import JobStore
 from services.common.metrics_http import serving_service_metrics
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.redis_client import RedisTarget
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
 from services.controller.telemetry import ControllerMetrics
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 async def drive_jobs(
-    settings: ControllerSettings, redis_url: str, metrics: ControllerMetrics, stop: asyncio.Event
+    settings: ControllerSettings, redis_url: RedisTarget, metrics: ControllerMetrics, stop: asyncio.Event
 ) -> None:
     """Run the controller until ``stop``, with its metrics served meanwhile."""
     bus = Bus(
@@ -41,7 +42,7 @@ async def drive_jobs(
 def main() -> None:
     settings = load_settings(ControllerSettings)
     setup_logging(settings.service_name, settings.log_level)
-    redis_url = require_redis_url(settings)
+    redis_url = redis_target(settings)
     metrics = ControllerMetrics()  # the gRPC server's calls are timed there too
     drive = functools.partial(drive_jobs, settings, redis_url, metrics)
     asyncio.run(serve(settings, background=drive, registry=metrics.registry))

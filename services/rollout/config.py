@@ -17,8 +17,10 @@ class EngineSettings(ServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port of the Rollout service; 0 picks a free one."""
-    advertise_address: str = Field("", pattern=r"^$|^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$")
-    """host:port the router dials; empty: this host and port (the hostname when host is 0.0.0.0)."""
+    advertise_address: str = Field("", pattern=r"^$|^auto$|^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$")
+    """host:port the router dials; empty: this host and port (the hostname when host is 0.0.0.0);
+    auto: this host's own IP address and port (the hostname's address when host is 0.0.0.0 or ::),
+    so that each of `docker compose up --scale engine=N`'s containers registers its own."""
     engine_id: str = Field("", max_length=200)
     """Name in the engine registry; empty: engine-{hostname}-{pid}."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")

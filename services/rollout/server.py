@@ -9,6 +9,7 @@ newest running job's checkpoints, and a heartbeat into the engine registry.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from services.common.grpc_server import serve
 from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2_grpc
 from services.common.redis_server import free_port
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.rollout.backends import ENGINE_BACKENDS
 from services.rollout.config import EngineSettings
 from services.rollout.engine_protocol import Engine
@@ -54,20 +55,45 @@ class MeteredWeightLoader(WeightLoader):
         return await self.metrics.observe_load(super().load(handle, mode, timeout_s))
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+"""Listening on every interface: the address to advertise is not the one bound."""
+AUTO_ADVERTISE = "auto"
+
+
 def advertised_address(settings: EngineSettings) -> str:
     """Where the router reaches this engine."""
+    if settings.advertise_address == AUTO_ADVERTISE:
+        return own_ip_address(settings.host, settings.port)
     if settings.advertise_address:
         return settings.advertise_address
-    host = socket.gethostname() if settings.host in ("0.0.0.0", "::", "") else settings.host
+    host = socket.gethostname() if settings.host in WILDCARD_HOSTS else settings.host
     return f"{host}:{settings.port}"
+
+
+def own_ip_address(host: str, port: int) -> str:
+    """``ip:port`` of this host as peers dial it: the address of ``host``, or of this machine's
+    hostname when ``host`` is a wildcard (in a container, the container's own address)."""
+    family = socket.AF_INET6 if host == "::" else socket.AF_INET
+    name = socket.gethostname() if host in WILDCARD_HOSTS else host
+    try:
+        infos = socket.getaddrinfo(name, port, family, socket.SOCK_STREAM)
+    except OSError as err:
+        raise ValueError(
+            f"VERST_ENGINE_ADVERTISE_ADDRESS=auto: cannot resolve {name!r} to an address ({err}); "
+            "set VERST_ENGINE_ADVERTISE_ADDRESS to host:port"
+        ) from None
+    ip = str(infos[0][4][0])
+    if ipaddress.ip_address(ip).is_loopback and host in WILDCARD_HOSTS:
+        log.warning("advertising %s: %r resolves to loopback, so only this host reaches it", ip, name)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class EngineApp:
     """One engine process: its Engine, the Rollout servicer and the background work."""
 
     def __init__(self, settings: EngineSettings, redis: aioredis.Redis, engine: Engine) -> None:
-        if settings.port == 0 and not settings.advertise_address:
-            raise ValueError("an engine needs a fixed port (or advertise_address) to register itself")
+        if settings.port == 0 and settings.advertise_address in ("", AUTO_ADVERTISE):
+            raise ValueError("an engine needs a fixed port (or an advertise_address host:port) to register")
         self.settings = settings
         self.engine = engine
         engine_id = settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
@@ -130,7 +156,7 @@ def receiver_for(settings: EngineSettings, engine: Engine, engine_id: str) -> Br
 
 async def serve_engine(settings: EngineSettings) -> None:
     redis = connect(
-        require_redis_url(settings),
+        redis_target(settings),
         outage_s=settings.redis_outage_s,
         max_connections=settings.redis_max_connections,
     )
@@ -179,4 +205,9 @@ def main() -> None:
         in_process_torch(settings)
     if settings.port == 0:  # the registry needs the real port before the server binds it
         settings = settings.model_copy(update={"port": free_port(settings.host)})
+    try:  # resolved once, now: a name that does not resolve stops the process here
+        settings = settings.model_copy(update={"advertise_address": advertised_address(settings)})
+    except ValueError as err:
+        print(f"{settings.service_name}: invalid setting {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     asyncio.run(serve_engine(settings))

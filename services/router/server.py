@@ -31,7 +31,7 @@ from services.common.engine_registry import EngineRegistry
 from services.common.grpc_server import serve
 from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.router.config import RouterSettings
 from services.router.pool import EngineLink, EnginePool
 from services.router.telemetry import RouterMetrics
@@ -393,7 +393,7 @@ async def _one(
 
 async def serve_router(settings: RouterSettings) -> None:
     redis = connect(
-        require_redis_url(settings),
+        redis_target(settings),
         outage_s=settings.redis_outage_s,
         max_connections=settings.redis_max_connections,
     )

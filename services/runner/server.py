@@ -40,7 +40,8 @@ from services.common.leases import renew_every
 from services.common.metrics_http import serving_service_metrics
 from services.common.outage import RedisOutageError, wait_until_up
 from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.redis_client import RedisTarget
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
 from services.runner.batching import CoalescingReward, CoalescingRouter
 from services.runner.config import RunnerSettings
@@ -350,7 +351,7 @@ class Runner:
 
 
 async def _consume_until(
-    settings: RunnerSettings, redis_url: str, metrics: RunnerMetrics, stop: asyncio.Event
+    settings: RunnerSettings, redis_url: RedisTarget, metrics: RunnerMetrics, stop: asyncio.Event
 ) -> None:
     bus = Bus.from_url(
         redis_url,
@@ -368,7 +369,7 @@ def main() -> None:
     """``python -m services.runner``: settings from the environment, health, the loop."""
     settings = load_settings(RunnerSettings)
     setup_logging(settings.service_name, settings.log_level)
-    redis_url = require_redis_url(settings)
+    redis_url = redis_target(settings)
     metrics = RunnerMetrics(BusLagCollector(redis_url))
     try:
         with serving_service_metrics(metrics.registry, settings):

@@ -17,7 +17,7 @@ from services.common.bus_lag import BusLagCollector
 from services.common.grpc_server import Register, serve
 from services.common.metrics_http import serving_service_metrics
 from services.common.pb import trainer_pb2, trainer_pb2_grpc
-from services.common.settings import load_settings, require_redis_url, setup_logging
+from services.common.settings import load_settings, redis_target, setup_logging
 from services.trainer.config import TrainerSettings
 from services.trainer.distributed import World, world_from_env
 from services.trainer.job_control import CheckpointUnavailable
@@ -96,7 +96,7 @@ async def serve_trainer(settings: TrainerSettings, device: torch.device | None =
     """Warm up, then serve the Trainer service and train claimed jobs until SIGTERM/SIGINT."""
     device = device or trainer_device(settings)
     await asyncio.to_thread(warm_up, device)
-    redis_url = require_redis_url(settings)
+    redis_url = redis_target(settings)
     bus = Bus.from_url(
         redis_url,
         outage_s=settings.redis_outage_s,
@@ -119,7 +119,7 @@ def run_rank(settings: TrainerSettings, world: World) -> None:
 
     device = trainer_device(settings)
     if world.leader:
-        require_redis_url(settings)
+        redis_target(settings)  # exit now on a missing or bad REDIS_URL
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     init_distributed(device, timedelta(seconds=settings.distributed_timeout_s))
@@ -147,5 +147,5 @@ def main() -> None:
     if world.size > 1:
         run_rank(settings, world)
         return
-    require_redis_url(settings)
+    redis_target(settings)
     asyncio.run(serve_trainer(settings))

@@ -91,7 +91,7 @@ async def test_unknown_jobs_and_states_are_errors(store: JobStore) -> None:
     job_id = (await store.create(JobSpec())).job_id
     with pytest.raises(ValueError, match="unknown job state 'DONE'"):
         await store.set_state(job_id, "DONE")
-    assert await store.redis.exists("verst:job:nope-00000000") == 0, "errors must not create records"
+    assert await store.redis.exists(job_key("nope-00000000")) == 0, "errors must not create records"
 
 
 async def test_progress_only_moves_forward(store: JobStore) -> None:

@@ -89,7 +89,7 @@ def test_every_stream_payload_type_has_a_check() -> None:
         (
             common_pb2.DeadLetter(source_stream=JobStreams("job-2").prompts),
             STREAMS.dead,
-            "source stream 'verst:job:job-2:prompts' is not a stream of job 'job-1'",
+            "source stream 'verst:job:{job-2}:prompts' is not a stream of job 'job-1'",
         ),
         (common_pb2.JobSubmission(spec_json="{}"), JOBS, "no job_id"),
         (common_pb2.JobEvent(job_id="job-1"), STREAMS.events, "carries no event"),
