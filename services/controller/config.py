@@ -31,7 +31,15 @@ class ControllerSettings(RolloutClientSettings):
     queue_timeout_s: float = Field(86_400.0, ge=1.0, le=30 * 86_400.0)
     """How long a queued job may wait for its first checkpoint (v0) before it fails."""
     stall_timeout_s: float = Field(600.0, ge=1.0, le=7 * 86_400.0)
-    """How long a running job may go without a new policy version before it fails."""
+    """Least time a running job may go without a new policy version before it fails (the bound
+    grows with the job's own steps: stall_step_factor; controller/stall.py)."""
+    stall_step_factor: float = Field(3.0, ge=1.0, le=1000.0)
+    """A running job may also go this many times its slowest recent step without a new version."""
+    stall_window_steps: int = Field(8, ge=1, le=10_000)
+    """How many of a job's most recent steps (seconds between versions) its stall bound looks at."""
+    stall_startup_s: float = Field(1800.0, ge=1.0, le=7 * 86_400.0)
+    """Least time allowed for a job's first new version after it starts or resumes (model load,
+    the engines' first weights, a first step that compiles)."""
     abort_timeout_s: float = Field(5.0, ge=0.1, le=600.0)
     """Deadline of the router's AbortJob when a job ends: its requests dropped on every engine at once."""
     eval_engine_timeout_s: float = Field(300.0, ge=0.1, le=86_400.0)

@@ -23,7 +23,8 @@ dead-lettered (stages 2-3) and a group the trainer dropped (stage 4) each get on
   evaluate version 0 once an engine serves it (``eval.at_start``).
 - RUNNING: feed paced prompt batches and replacements (the rule is pacing.py); on every new
   version update the job record, and evaluate every ``eval.every_steps`` versions; no new
-  version within the stall timeout: FAILED.
+  version within the job's stall bound (stall.py: a floor, a multiple of its slowest recent
+  step, a start-up allowance): FAILED.
 - FINISHING: the trainer reported SUCCEEDED: evaluate the final version, then
   the job is SUCCEEDED.
 - DONE: the job has its outcome.
@@ -69,6 +70,7 @@ from services.controller.dead_letters import RepeatedFailures, failure_limit, re
 from services.controller.evaluation import JobEvals, prepare_eval_sets
 from services.controller.feed import PromptFeed
 from services.controller.pacing import Issue, plan_issue
+from services.controller.stall import StallWatch, stall_limits
 from services.controller.stubs import ServiceStubs
 from services.controller.telemetry import ControllerMetrics
 from services.controller.tracking import JobTracking
@@ -155,6 +157,8 @@ class JobDriver:
         self._batches = record.issued_batches
         self._extra = record.issued_extra
         self._last_progress = time.monotonic()
+        self._stall = StallWatch(stall_limits(self.settings))
+        """The job's recent pace, and so how long it may go without a new version (stall.py)."""
         self._epoch = (0, 0)
         """(epoch, version) of the newest handle: a trainer's lineage, and how far it came."""
         self._version_at = 0.0
@@ -257,6 +261,7 @@ class JobDriver:
         every_s, dead_s = self.settings.housekeeping_s, self.settings.dead_consumer_s
         self._spawn(tend_job(self.deps.bus, self.job_id, every_s, dead_s, self._stopping))
         self._last_progress = time.monotonic()
+        self._stall.start()
         return Phase.RUNNING
 
     async def _run(self) -> Phase:
@@ -385,22 +390,27 @@ class JobDriver:
         handle = delivery.message
         if not self._first_handle.done():
             self._first_handle.set_result(handle)
+        progressed = handle.version > self.latest_version
         if handle.epoch != self._epoch[0]:
             self._epoch = (handle.epoch, handle.version)  # a resumed trainer: its versions start again
+            self._stall.start()  # which loaded the model: its first new version may take longer
         elif handle.version > self._epoch[1]:
             self._epoch = (handle.epoch, handle.version)
-            self._progressed()  # a new version, also one reissued after a resume
+            progressed = True  # a new version, also one reissued after a resume
+        if progressed:
+            self._progressed()
         if handle.version > self.latest_version:
             self.latest_version = handle.version
             self._version_at = handle.created_at.ToNanoseconds() / 1e9
-            self._progressed()
             self._wake.set()
             self._schedule_evaluation(handle.version)
         await self.store.update_progress(self.job_id, handle.version, handle.step)
         return True
 
     def _progressed(self) -> None:
-        self._last_progress = time.monotonic()
+        now = time.monotonic()
+        self._stall.progressed(now - calm_since(self.deps.bus.redis, self._last_progress))
+        self._last_progress = now
         self._failures.progress()
 
     # -- 6. evaluate -----------------------------------------------------------------------------
@@ -522,12 +532,12 @@ class JobDriver:
                     self._fail(queue_timeout_reason(waited))
             elif self.phase is Phase.RUNNING:
                 idle = time.monotonic() - calm_since(self.deps.bus.redis, self._last_progress)
-                if idle > self.settings.stall_timeout_s:
+                if idle > self._stall.allowed_s():
                     oldest = await self.deps.stubs.oldest_served_version(self.job_id)
                     served = "no engine serves the job" if oldest is None else f"engines serve v{oldest}"
                     self._fail(
                         f"stalled: no new policy version for {idle:.0f}s after version {self.latest_version}"
-                        f" ({served}; {self._batches} batches issued)"
+                        f" ({self._stall.explain()}; {served}; {self._batches} batches issued)"
                     )
 
     def _consumer(self, stream: str, message_type: type[Any], block_ms: int) -> StreamConsumer[Any]:

@@ -266,7 +266,7 @@ async def test_a_stalled_trainer_fails_the_job(
     controllers: Controllers,
 ) -> None:
     _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
-    await controllers.start(stall_timeout_s=1.0)
+    await controllers.start(stall_timeout_s=1.0, stall_startup_s=1.0)
     await trainer.publish_version(0)
     await trainer.wait_for_state(RUNNING)
     await trainer.wait_for_state(FAILED, timeout_s=5.0)
@@ -281,7 +281,7 @@ async def test_reissued_versions_of_a_resumed_trainer_are_progress_and_resumes_a
     controllers: Controllers,
 ) -> None:
     _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
-    await controllers.start(stall_timeout_s=1.5)
+    await controllers.start(stall_timeout_s=1.5, stall_startup_s=1.5, stall_step_factor=1.0)
     for version in (0, 1, 2):
         await trainer.publish_version(version, epoch=1)
     await trainer.wait_for_state(RUNNING)
@@ -297,6 +297,31 @@ async def test_reissued_versions_of_a_resumed_trainer_are_progress_and_resumes_a
         await asyncio.sleep(0.4)
     await trainer.wait_for_state(FAILED, timeout_s=5.0)
     assert "no new policy version" in (await trainer.store.get(trainer.job_id)).reason
+
+
+async def test_a_slow_but_steady_job_runs_on_and_fails_once_it_stalls(
+    bus: Bus,
+    tokenizer_dir: Path,
+    services: Services,
+    controllers: Controllers,
+) -> None:
+    """Steps of 1.5s against a 1s floor: the bound follows the job's pace (2 x its slowest step),
+    so it runs on, and fails 2 x 1.5s after its last version, not 1s."""
+    _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False, "every_steps": 0})
+    await controllers.start(stall_timeout_s=1.0, stall_step_factor=2.0, stall_startup_s=3.0)
+    await trainer.publish_version(0)
+    await trainer.wait_for_state(RUNNING)
+    for version in (1, 2, 3):
+        await asyncio.sleep(1.5)  # past the floor: a fixed bound would have failed the job
+        assert await trainer.state() == RUNNING, (await trainer.store.get(trainer.job_id)).reason
+        await trainer.publish_version(version)
+    last_version_at = asyncio.get_running_loop().time()
+    await trainer.wait_for_state(FAILED, timeout_s=10.0)
+    waited = asyncio.get_running_loop().time() - last_version_at
+    assert waited > 2.2, f"failed {waited:.1f}s after the last version: the floor, not the pace"
+    reason = (await trainer.store.get(trainer.job_id)).reason
+    assert "no new policy version" in reason and "after version 3" in reason, reason
+    assert "slowest recent step" in reason and "x 2" in reason, reason
 
 
 async def test_prompts_issued_after_a_resume_name_the_new_lineage_and_its_version(

@@ -42,7 +42,7 @@ async def test_a_job_keeps_its_state_through_an_outage_longer_than_its_stall_tim
     bus = Bus(connect(server.url, outage_s=60.0))
     controllers = Controllers(bus, services)
     _, trainer = await submit(bus, tokenizer_dir, services[0], eval={"at_start": False})
-    await controllers.start(stall_timeout_s=2.0)
+    await controllers.start(stall_timeout_s=2.0, stall_startup_s=2.0)
     await trainer.publish_version(0)
     await trainer.wait_for_prompts(4)
     server.kill()

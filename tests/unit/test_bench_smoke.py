@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -34,6 +35,8 @@ class Smoke:
     """A regular expression that the whole last line of stdout matches."""
     slow: bool = True
     """Longer than a few seconds: left out of ``make test-fast``."""
+    report: str = ""
+    """A JSON report the run must write (``{tmp}`` as in ``args``), its ``figures`` all numbers."""
 
 
 SMOKE_RUNS: dict[str, Smoke] = {
@@ -84,6 +87,11 @@ SMOKE_RUNS: dict[str, Smoke] = {
         rf"ceiling: task=addition trl_step_s={NUMBER} verst_floor_s={NUMBER} ceiling={NUMBER}"
         rf" target={NUMBER}",
     ),
+    "bench/gpu_check.py": Smoke(
+        "--smoke --threads 1 --budget-s 400 --out {tmp}/gpu_check",
+        r"gpu_check: device=cpu ran=6 failed=0 skipped=1 out=\S+/gpu_check\.json",
+        report="{tmp}/gpu_check/gpu_check.json",
+    ),
 }
 """The smoke run of each runnable script in bench/, by its path."""
 
@@ -124,6 +132,10 @@ def test_the_script_runs_at_tiny_sizes(script: str, tmp_path: Path) -> None:
     lines = done.stdout.rstrip("\n").splitlines()
     assert lines and re.fullmatch(smoke.last_line, lines[-1]), tail
     assert results_digest() == before, f"{script} rewrote {RESULTS}"
+    if smoke.report:
+        figures = json.loads(Path(smoke.report.format(tmp=tmp_path)).read_text())["figures"]
+        measured = {name: value for name, value in figures.items() if isinstance(value, int | float)}
+        assert measured and set(measured) | {"sglang_tokens_per_s"} == set(figures), figures
 
 
 def strings_of(path: Path) -> set[str]:
