@@ -27,6 +27,7 @@ __all__ = [
     "ApiError",
     "auth_headers",
     "cancel_job",
+    "cluster",
     "download_checkpoint",
     "export_job",
     "get_job",
@@ -109,6 +110,12 @@ def list_jobs(api: str) -> list[dict[str, Any]]:
     response = httpx.get(f"{api}/v1/jobs", headers=auth_headers(), timeout=10)
     jobs = _checked(response, "listing jobs")
     return jobs.get("jobs", jobs) if isinstance(jobs, dict) else jobs
+
+
+def cluster(api: str) -> dict[str, Any]:
+    """The engines, trainers and restarted services the api sees (GET /v1/cluster)."""
+    response = httpx.get(f"{api}/v1/cluster", headers=auth_headers(), timeout=10)
+    return dict(_checked(response, "the cluster"))
 
 
 def export_job(

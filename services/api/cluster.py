@@ -3,7 +3,9 @@
 Engines come from the engine registry (services/common/engine_registry.py): those whose heartbeat
 is younger than ``engine_ttl_s``. Trainers are the consumers of the ``trainers`` group on
 ``verst:jobs`` (a trainer claims a job by reading it there and renews the claim while it trains):
-each with the job it holds, if any, and how long it has been silent.
+each with the job it holds, if any, and how long it has been silent. Services are the restart
+records of a `verst up` stack's supervisor (services/common/service_restarts.py): one row per
+service restarted since the stack started, none otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.common.engine_registry import EngineRegistry
 from services.common.jobs import JobNotFoundError, JobStore
 from services.common.payloads import decode_entry
 from services.common.pb import common_pb2
+from services.common.service_restarts import restarts
 from services.common.streams import JOBS, TRAINERS_GROUP
 
 MAX_CLAIMS = 1000
@@ -83,9 +86,14 @@ def add_cluster_route(app: FastAPI, settings: ApiSettings) -> None:
     @app.get("/v1/cluster", tags=["ops"], responses=error_responses(401, 503))
     async def cluster(request: Request) -> dict[str, Any]:
         """The live engines (id, address, model, the job and policy version they serve, state and
-        load) and the trainers (the job each holds, its version and step, seconds since each was
-        last heard from)."""
+        load), the trainers (the job each holds, its version and step, seconds since each was
+        last heard from) and the services a local stack restarted (how often, how each last ended,
+        whether it is up again or crash-looping)."""
         store: JobStore = request.app.state.store
         now = time.time()
         engines = await EngineRegistry(store.redis).alive(settings.engine_ttl_s, now=now)
-        return {"engines": [engine_row(info, now) for info in engines], "trainers": await trainer_rows(store)}
+        return {
+            "engines": [engine_row(info, now) for info in engines],
+            "trainers": await trainer_rows(store),
+            "services": [row.model_dump() for row in await restarts(store.redis)],
+        }

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from services.cli.options import Subcommands, emit, new_command
-from services.client import cancel_job, get_job, list_jobs, submit
+from services.client import cancel_job, cluster, get_job, list_jobs, submit
 
 REWARD = "trainer/reward_mean"
 """The metric `status` shows as the reward: the mean reward of the newest training step."""
 ACCURACY = "eval/accuracy"
 """The metric `status` shows as the accuracy: the newest evaluation's, on the held-out set."""
 COLUMNS = f"{'job':32} {'state':10} {'version':>7} {'step':>5} {'reward':>7} {'accuracy':>8}"
+SERVICE_COLUMNS = f"{'service':16} {'restarts':>8}  {'last exit':20} state"
 
 
 def state_word(job: dict[str, Any]) -> str:
@@ -48,6 +49,17 @@ def details(job: dict[str, Any]) -> list[str]:
     return [*lines, f"reason    {job['reason']}"] if job.get("reason") else lines
 
 
+def service_rows(services: list[dict[str, Any]]) -> list[str]:
+    """The services `verst up` restarted (GET /v1/cluster's ``services``): nothing when none was."""
+    if not services:
+        return []
+    rows = ["", SERVICE_COLUMNS]
+    for row in services:
+        state = "crash-loop" if row["crash_loop"] else row["state"]
+        rows.append(f"{row['service']:16} {row['restarts']:>8}  {row['last_exit']:20} {state}")
+    return rows
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     job = submit(args.api, Path(args.spec))
     emit(args, job, [job["job_id"]])
@@ -60,7 +72,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         emit(args, job, details(job))
         return 0
     jobs = list_jobs(args.api)
-    emit(args, jobs, [COLUMNS, *(row(job) for job in jobs)])
+    # --json stays the job list; the restarts are GET /v1/cluster's, asked only for a person
+    restarted = [] if args.json else service_rows(cluster(args.api).get("services", []))
+    emit(args, jobs, [COLUMNS, *(row(job) for job in jobs), *restarted])
     return 0
 
 
@@ -84,7 +98,11 @@ def add_submit(commands: Subcommands) -> None:
 
 def add_status(commands: Subcommands) -> None:
     command = new_command(
-        commands, "status", "list jobs (state, version, latest reward and accuracy), or show one", cmd_status
+        commands,
+        "status",
+        "list jobs (state, version, latest reward and accuracy) and the services `verst up` restarted,"
+        " or show one job",
+        cmd_status,
     )
     command.add_argument("job", nargs="?", help="job id (--json: its whole record, spec included)")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from services.cli.options import Subcommands, new_command
 from services.examples import example_names, example_spec
+from services.stack_ports import MAX_PORT, PortPlanError
+from services.supervisor import RestartPolicy
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -29,14 +31,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         engines=args.engines,
         trainers=args.trainers,
         separate_controller=args.separate_controller,
+        port_base=args.port_base,
+        supervise=True,  # a service that ends is restarted with backoff, logged, shown by `verst status`
     )
-    stack = Stack(config)
     progress = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON alone
-    print(f"starting verst (logs in {config.log_dir}/) ...", file=progress, flush=True)
-    stack.start()
+    try:
+        stack = Stack(config)
+        print(f"starting verst (logs in {config.log_dir}/) ...", file=progress, flush=True)
+        stack.start()
+    except PortPlanError as err:  # out of range, or taken: one line naming the port
+        print(f"verst: {err}", file=sys.stderr)
+        return 2
     if args.json:
         where = {"api": stack.api_url, "redis": stack.redis_url, "log_dir": str(config.log_dir)}
-        print(json.dumps({**where, "metrics_ports": stack.metrics_ports}))
+        print(json.dumps({**where, "metrics_ports": stack.metrics_ports, "ports": stack.ports}))
         sys.stdout.flush()
     else:
         where = f"api {stack.api_url}  redis {stack.redis_url}"
@@ -79,9 +87,33 @@ def _count(value: str) -> int:
     return number
 
 
+def supervision_help(policy: RestartPolicy) -> str:
+    """What `verst up --help` says of restarts, from the policy it runs with."""
+    return (
+        f"A service that ends on its own is restarted after a backoff ({policy.first_delay_s:g} s,"
+        f" doubling to {policy.max_delay_s:g} s, starting over once it stays up"
+        f" {policy.stable_after_s:g} s), each restart logged here and listed by `verst status`; one"
+        f" that ends {policy.crash_loop_restarts} times within {policy.crash_loop_window_s:g} s is"
+        f" reported as crash-looping and retried every {policy.max_delay_s:g} s."
+    )
+
+
+def _port(value: str) -> int:
+    """A TCP port number, 1 to 65535 (argparse's error names the flag)."""
+    number = int(value)
+    if not 1 <= number <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to {MAX_PORT}, not {number}")
+    return number
+
+
 def add_up(commands: Subcommands) -> None:
     up = new_command(
-        commands, "up", "start Redis and every service locally; Ctrl-C stops them", cmd_up, api=False
+        commands,
+        "up",
+        "start Redis and every service locally; Ctrl-C stops them",
+        cmd_up,
+        api=False,
+        more=supervision_help(RestartPolicy()),
     )
     up.add_argument("--engines", type=int, default=1, help="rollout engines to start")
     up.add_argument(
@@ -96,6 +128,15 @@ def add_up(commands: Subcommands) -> None:
         "--separate-controller",
         action="store_true",
         help="run the job controller as its own process (python -m services.controller), not in the api",
+    )
+    up.add_argument(
+        "--port-base",
+        type=_port,
+        default=None,
+        metavar="N",
+        help="bind every port at N plus a fixed offset: api N, embedded Redis N+1, router N+2, ..."
+        " (services/stack_ports.py). A stack takes 10 ports plus 3 per trainer and per engine: stacks"
+        " with bases that far apart share a host",
     )
 
 

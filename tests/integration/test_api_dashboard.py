@@ -28,7 +28,8 @@ async def test_the_page_and_its_assets_need_no_token_the_data_does(redis_url: st
 
 async def test_the_cluster_shows_live_engines_and_the_job_each_trainer_holds(redis_url: str) -> None:
     async with api(redis_url, token=TOKEN, engine_ttl_s=5.0) as client:
-        assert (await client.get("/v1/cluster", headers=bearer())).json() == {"engines": [], "trainers": []}
+        empty = {"engines": [], "trainers": [], "services": []}
+        assert (await client.get("/v1/cluster", headers=bearer())).json() == empty
         redis = aioredis.Redis.from_url(redis_url)
         try:
             registry = EngineRegistry(redis)
