@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 from services.reward.plugins import PLUGIN_NAME
+from services.reward.sandbox import Isolation
 from services.reward.verifiers import VERIFIERS
 
 
@@ -83,6 +84,10 @@ class RewardSettings(ServiceSettings):
     """Directory for the sandboxes' working directories; empty means the system's temporary directory."""
     sandbox_uid_base: int = Field(2_000_000_000, ge=1000, le=4_000_000_000)
     """First of the uids the sandboxes run as when the service runs as root (one per live sandbox)."""
+    sandbox_isolation: Isolation = Isolation.REQUIRED
+    """`required`: python tool and `code` verifier calls fail with one clear error where the sandbox
+    cannot get its namespaces, uid and seccomp filter; `unsafe-no-isolation`: trusted code only,
+    run with the layers that apply (never without the seccomp filter, nor as root)."""
 
     @model_validator(mode="after")
     def _timeouts_in_order(self) -> RewardSettings:

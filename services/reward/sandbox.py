@@ -1,12 +1,16 @@
 """Run untrusted Python in a sandbox process: one per call, or one per stateful session.
 
 A ``SandboxProcess`` is one ``sandbox_child.py`` supervisor and its runner (see that module for
-the isolation layers: network namespace or audit hook, read-only mount namespace, a uid of its
-own when the service is root, rlimits). This side starts it with a scrubbed environment and a
-private working directory, sends it code, and reads stdout, stderr and a status pipe without
-ever holding more than the output cap: past the cap, or past the wall-time limit, or when the
-caller cancels, it tells the supervisor to kill every process of the sandbox, which it does
-and then reports how the runner ended. Everything here blocks; callers run it on threads.
+the isolation layers: network namespace, read-only mount namespace, a uid of its own, a seccomp
+filter that refuses sockets, rlimits). Whether they can be applied here is probed once per
+interpreter and mode (``probe``, also run and logged at the service's start): where they cannot,
+every start fails at once with one ``SandboxIsolationError`` that names what is missing and the
+setting to change, instead of running the code with less isolation. This side starts it with a
+scrubbed environment and a private working directory, sends it code, and reads stdout, stderr
+and a status pipe without ever holding more than the output cap: past the cap, or past the
+wall-time limit, or when the caller cancels, it tells the supervisor to kill every process of
+the sandbox, which it does and then reports how the runner ended. Everything here blocks;
+callers run it on threads.
 
 A call's end is known from its status line plus a marker the runner writes on stdout and
 stderr after the code returns, so a session's next call starts on clean streams. Output a
@@ -37,6 +41,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from services.reward import sandbox_child
+from services.reward.sandbox_output import OutputBudget, OutputStream
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,31 @@ CLOSE_TIMEOUT_S = sandbox_child.REAP_DEADLINE_S + 3.0
 """How long closing waits for the supervisor to kill, reap and report."""
 
 
+ISOLATION_SETTING = "VERST_REWARD_SANDBOX_ISOLATION"
+"""The setting that chooses ``SandboxConfig.isolation``, as the refusal names it."""
+ISOLATION_NEEDS = (
+    "the sandbox needs root in the reward container, with CAP_SYS_ADMIN (namespaces, mounts) beside "
+    "Docker's default CAP_SETUID, CAP_SETGID and CAP_CHOWN, and seccomp and AppArmor profiles that "
+    "allow unshare and mount (docs/reward.md, 'What the reward container needs')"
+)
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself failed (could not start, or vanished): not the code's fault."""
+
+
+class SandboxIsolationError(SandboxError):
+    """The sandbox cannot isolate code here (a layer the mode requires cannot be applied)."""
+
+
+class Isolation(StrEnum):
+    """How much isolation a sandbox must have before it runs code."""
+
+    REQUIRED = sandbox_child.REQUIRED
+    """Every layer (namespaces, uid, seccomp); a missing one refuses every call."""
+    UNSAFE = sandbox_child.UNSAFE
+    """For trusted code only: the namespaces that cannot be made are left out (no uid of its own
+    either without root); seccomp, and the uid drop when root, still apply."""
 
 
 class ErrorKind(StrEnum):
@@ -109,6 +137,8 @@ class SandboxConfig:
     """How many uids from ``uid_base`` the sandboxes may use."""
     start_timeout_s: float = 10.0
     """How long a new sandbox may take to isolate itself and say it is ready."""
+    isolation: Isolation = Isolation.REQUIRED
+    """Refuse to run code without every layer, or (trusted code only) run it with what applies."""
 
 
 @dataclass
@@ -220,6 +250,8 @@ class SandboxProcess:
         if "ready" not in self._events:
             event = self._events.get("setup_error", {})
             self.close()
+            if "layer" in event:
+                raise SandboxIsolationError(isolation_refusal(str(event.get("message"))))
             raise SandboxError(f"the sandbox did not start: {event.get('message', 'no ready signal')}")
         self.layers = list(self._events["ready"]["layers"])
 
@@ -238,6 +270,7 @@ class SandboxProcess:
             "uid": self._uid,
             "gid": self._uid,
             "marker": self._marker.decode(),
+            "isolation": self.config.isolation.value,
             "status_fd": status_w,
             "lifeline_fd": lifeline_r,
             "limits": {
@@ -474,8 +507,14 @@ class Sandboxes:
         self.config = config
         self.uids = UidPool(config.uid_base, config.uid_count) if os.geteuid() == 0 else None
 
+    def probe(self, timeout_s: float | None = None) -> list[str]:
+        """The layers a sandbox gets here (see ``probe``)."""
+        return probe(self.config, self.uids, timeout_s)
+
     def start(self, session: bool = False, timeout_s: float | None = None) -> SandboxProcess:
-        """A started sandbox (see ``SandboxProcess.start``); the caller closes it."""
+        """A started sandbox (see ``SandboxProcess.start``); the caller closes it. Refused at once
+        (SandboxIsolationError) where the probe found that the isolation cannot be had."""
+        self.probe(timeout_s)
         sandbox = SandboxProcess(self.config, self.uids)
         sandbox.start(session, timeout_s)
         return sandbox
@@ -491,57 +530,60 @@ class Sandboxes:
             sandbox.close()
 
 
-# --- a call's stdout and stderr: kept up to a byte budget they share, up to an end marker --------
-# The child writes a marker on both streams after each call's code returns, so a session's next
-# call starts on clean streams; a marker split across two reads is still found.
+# --- the isolation probe: one sandbox started and closed, its verdict kept per interpreter and mode --
+
+_probes: dict[tuple[str, bool, Isolation, int], list[str] | SandboxIsolationError] = {}
+_probe_lock = threading.Lock()
 
 
-class OutputBudget:
-    """Output bytes a call may still keep, shared by stdout and stderr."""
-
-    def __init__(self, size: int) -> None:
-        self.left = size
-        self.over = False
-
-    def take(self, data: bytes) -> bytes:
-        kept = data[: self.left]
-        self.left -= len(kept)
-        self.over = self.over or len(kept) < len(data)
-        return kept
+def isolation_refusal(missing: str) -> str:
+    """The one error every call gets where the sandbox cannot isolate code."""
+    return (
+        f"the python sandbox cannot isolate code here ({missing}), so it runs none: {ISOLATION_NEEDS}; "
+        f"to run trusted code without that isolation set {ISOLATION_SETTING}={Isolation.UNSAFE}"
+    )
 
 
-class OutputStream:
-    """stdout or stderr of the running call: keeps what fits the budget, finds the end marker
-    even when a read splits it."""
+def probe(config: SandboxConfig, uids: UidPool | None, timeout_s: float | None = None) -> list[str]:
+    """The layers a sandbox of ``config`` gets, from one sandbox started and closed the first
+    time; raises SandboxIsolationError (kept: later calls get it without a start) when the mode's
+    layers cannot be applied, SandboxError (not kept) when the probe itself failed."""
+    key = (config.python, config.site_packages, config.isolation, os.geteuid())
+    with _probe_lock:  # one probe at a time; the others wait for its verdict
+        verdict = _probes.get(key)
+        if verdict is None:
+            sandbox = SandboxProcess(config, uids)
+            try:
+                sandbox.start(timeout_s=timeout_s)
+                verdict = sandbox.layers
+            except SandboxIsolationError as err:
+                verdict = err
+            finally:
+                sandbox.close()
+            _probes[key] = verdict
+    if isinstance(verdict, SandboxIsolationError):
+        raise SandboxIsolationError(str(verdict))
+    return list(verdict)
 
-    def __init__(self, marker: bytes) -> None:
-        self.marker = marker
-        self.data = bytearray()
-        self.tail = b""
-        self.marked = False
 
-    def begin(self) -> None:
-        self.data, self.tail, self.marked = bytearray(), b"", False
-
-    def feed(self, chunk: bytes, budget: OutputBudget) -> None:
-        if self.marked:
-            return  # written after the call ended, by something the code left running
-        window = self.tail + chunk
-        end = window.find(self.marker)
-        if end >= 0:
-            self.data += budget.take(window[:end])
-            self.tail, self.marked = b"", True
-            return
-        held = next(
-            n
-            for n in range(min(len(self.marker) - 1, len(window)), -1, -1)
-            if window.endswith(self.marker[:n])
+def check_isolation(config: SandboxConfig) -> bool:
+    """Probe at a service's start and log the verdict: an error when calls will be refused, a
+    warning in the unsafe mode; True when code can run."""
+    try:
+        layers = Sandboxes(config).probe()
+    except SandboxIsolationError as err:
+        log.error("python tool and code verifier calls will fail: %s", err)
+        return False
+    except SandboxError as err:
+        log.warning("could not check the python sandbox's isolation at start (tried again per call): %s", err)
+        return True
+    if config.isolation is Isolation.UNSAFE:
+        log.warning(
+            "%s=%s: the python sandbox runs code with only %s; trusted code only",
+            ISOLATION_SETTING,
+            Isolation.UNSAFE,
+            ", ".join(layers),
         )
-        self.data += budget.take(window[: len(window) - held])  # held back: maybe the marker's start
-        self.tail = window[len(window) - held :]
-
-    def text(self, budget: OutputBudget) -> str:
-        if self.tail:
-            self.data += budget.take(self.tail)
-            self.tail = b""
-        return self.data.decode("utf-8", "replace")
+    else:
+        log.info("python sandbox isolation: %s, rlimits", ", ".join(layers))
+    return True

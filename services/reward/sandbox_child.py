@@ -7,9 +7,12 @@ process limit. When the runner dies, or the service's lifeline pipe is written o
 and reaps every process of the sandbox, reports the runner's wait status and exits. The runner
 isolates itself, runs each request's code in one namespace of globals (a session is one runner given
 several requests) and writes one status line per request. Its layers, in order (the ready line names
-those that applied; docs/architecture.md says what each stops): ``netns`` and the ``audit-socket``
-hook (else the ``audit-net`` hook), ``mountns`` with ``hidepid``, ``uid`` (when the supervisor is
-root, which makes the kill a ``kill(-1)`` as that uid, atomic against forks), and rlimits.
+those that applied; docs/reward.md says what each stops): ``netns``, ``mountns`` and ``hidepid``,
+``uid`` (the supervisor is root, which makes the kill a ``kill(-1)`` as that uid, atomic against
+forks), ``seccomp`` (no socket at all), and rlimits. With ``isolation`` "required" a layer that
+cannot be applied is a setup error naming it (the service refuses to run code); with
+"unsafe-no-isolation" the namespaces that cannot be made are left out, and ``uid`` (when root) and
+``seccomp`` are still required.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 STATUS_PIPE, LIFELINE_PIPE = 3, 4
 """Where the supervisor puts the status pipe (to the service) and the lifeline (from it)."""
@@ -48,9 +52,31 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = (
+    1,
+    4,
+    22,
+    36,
+    38,
+)
 MOUNT_OPTION_FLAGS = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME}
 MOUNT_OPTION_FLAGS.update(nodiratime=MS_NODIRATIME, relatime=MS_RELATIME, strictatime=MS_STRICTATIME)
+
+REQUIRED, UNSAFE = "required", "unsafe-no-isolation"
+"""The config's ``isolation``: every layer, or the namespaces only where they can be made."""
+
+# seccomp: a classic BPF program over struct seccomp_data {int nr; u32 arch; ...}.
+SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+X32_SYSCALL_BIT = 0x40000000
+"""x86_64's x32 ABI: the same arch, syscall numbers above this bit; refused whole."""
+SECCOMP_ARCHES = {  # machine: (AUDIT_ARCH_*, {syscall: number})
+    "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "io_uring_setup": 425, "pidfd_getfd": 438}),
+    "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "io_uring_setup": 425, "pidfd_getfd": 438}),
+}
+"""Refused to the code: sockets of every family, and the two other ways to get one (an io_uring
+can make sockets; pidfd_getfd copies another process's). Syscalls of a foreign ABI (i386 through
+int 0x80, x32) are refused whole, so the numbers cannot be dodged."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -283,41 +309,85 @@ def read_only_except(workdir: str, config: dict) -> None:
                 raise
 
 
-def isolate_filesystem(workdir: str, config: dict) -> list[str]:
-    """The mount namespace (see the module docstring); returns the layers it applied."""
-    try:
-        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare(CLONE_NEWNS)")
-    except OSError:
-        return []
+class IsolationError(Exception):
+    """A layer the config requires could not be applied; ``layer`` names it."""
+
+    def __init__(self, layer: str, reason: str) -> None:
+        super().__init__(f"{layer}: {reason}")
+        self.layer = layer
+
+
+def isolate_filesystem(workdir: str, config: dict) -> None:
+    """The mount namespace (see the module docstring)."""
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here may reach the host's mounts
     expose([p for p in [*sys.path, workdir] if os.path.isdir(p)])
     read_only_except(workdir, config)
-    layers = ["mountns"]
+
+
+def hide_processes() -> None:
+    """A /proc of our own, ``hidepid=2``: other uids' processes are invisible."""
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+
+
+def isolate_network() -> None:
+    _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+
+
+def socket_filter(machine: str, errno_value: int = errno.EACCES) -> bytes:
+    """The BPF program that refuses ``SECCOMP_ARCHES[machine]``'s syscalls with ``errno_value``."""
+    if machine not in SECCOMP_ARCHES:
+        raise OSError(errno.ENOSYS, f"no syscall numbers for machine {machine!r}")
+    arch, numbers = SECCOMP_ARCHES[machine]
+    return syscall_filter(arch, sorted(numbers.values()), errno_value)
+
+
+def syscall_filter(arch: int, refused: list[int], errno_value: int) -> bytes:
+    """A BPF program: ``refused`` syscalls, any of a foreign ABI, fail with ``errno_value``."""
+    checks = [(BPF_JGE_K, X32_SYSCALL_BIT)] + [(BPF_JEQ_K, nr) for nr in refused]
+    refuse = (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno_value)
+    program = [
+        (BPF_LD_W_ABS, 0, 0, 4),  # the arch
+        (BPF_JEQ_K, 1, 0, arch),  # ours: skip the refusal
+        refuse,
+        (BPF_LD_W_ABS, 0, 0, 0),  # the syscall number
+    ]
+    for index, (code, value) in enumerate(checks):  # a match jumps to the refusal after the allow
+        program.append((code, len(checks) - index, 0, value))
+    program += [(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), refuse]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
+def install_filter(program: bytes) -> None:
+    """Install a seccomp filter (needs no_new_privs or CAP_SYS_ADMIN); this thread and its
+    descendants keep it for good."""
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    code = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(code))
+    _check(
+        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0),
+        "prctl(PR_SET_SECCOMP)",
+    )
+
+
+def block_sockets() -> None:
+    install_filter(socket_filter(os.uname().machine))
+
+
+def apply_layer(name: str, step: Callable[[], None], required: bool, layers: list[str]) -> bool:
+    """Run ``step``; its ``name`` joins ``layers``, or, when it fails, an IsolationError if the
+    layer is ``required``, else False (the sandbox goes without it)."""
     try:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-        layers.append("hidepid")
-    except OSError:
-        pass
-    return layers
-
-
-def isolate_network() -> list[str]:
-    try:
-        _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-    except OSError:
-        sys.addaudithook(refuse_network)
-        return ["audit-net"]
-    sys.addaudithook(lambda event, args: refuse_network(event, args, ("socket.",)))  # no sockets at all
-    return ["netns", "audit-socket"]
-
-
-BLOCKED_EVENTS = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn")
-
-
-def refuse_network(event: str, args: tuple, blocked: tuple[str, ...] = BLOCKED_EVENTS) -> None:
-    """Audit hook: no sockets, and in the fallback no other program (which would not inherit it)."""
-    if event.startswith(blocked):
-        raise PermissionError(f"{event} is not allowed in this sandbox (no network)")
+        step()
+    except OSError as err:
+        if required:
+            raise IsolationError(name, str(err.strerror or err)) from None  # without "[Errno n]"
+        return False
+    layers.append(name)
+    return True
 
 
 def set_limits(config: dict, nproc: int) -> None:
@@ -344,19 +414,25 @@ def drop_privileges(uid: int, gid: int) -> None:
 
 def isolate(config: dict) -> list[str]:
     """Everything of the module docstring's list, as root where it needs to be, then the drop."""
-    workdir = config["workdir"]
+    workdir, uid = config["workdir"], config.get("uid")
+    required = config["isolation"] != UNSAFE
+    if required and uid is None:
+        raise IsolationError("root", f"the service runs as uid {os.geteuid()}, not as root")
     os.setpgid(0, 0)
-    layers = isolate_network()
-    if config.get("uid") is not None:
-        layers += isolate_filesystem(workdir, config)
+    layers: list[str] = []
+    apply_layer("netns", isolate_network, required, layers)
+    if uid is not None and apply_layer(
+        "mountns", lambda: isolate_filesystem(workdir, config), required, layers
+    ):
+        apply_layer("hidepid", hide_processes, required, layers)
     os.chdir(workdir)
-    if config.get("uid") is not None:
+    if uid is not None:
         set_limits(config, config["limits"]["processes"])
-        drop_privileges(config["uid"], config["gid"])
-        layers.append("uid")
+        apply_layer("uid", lambda: drop_privileges(uid, config["gid"]), True, layers)  # never code as root
     else:  # the uid's other processes count too: allow this many more than it has now
         set_limits(config, sum(uid_tasks(os.getuid()).values()) + config["limits"]["processes"])
     prctl(PR_SET_NO_NEW_PRIVS, 1)
+    apply_layer("seccomp", block_sockets, True, layers)  # everywhere: no socket at all for the code
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     if os.getppid() != config["supervisor"]:
         os._exit(SETUP_FAILED)
@@ -471,6 +547,9 @@ def runner_main(config: dict) -> None:
         os.dup2(devnull, 0)
         os.close(devnull)
         layers = isolate(config)
+    except IsolationError as err:
+        write_status(STATUS_FD, {"event": "setup_error", "layer": err.layer, "message": str(err)})
+        os._exit(SETUP_FAILED)
     except BaseException as err:
         write_status(STATUS_FD, {"event": "setup_error", "message": f"{type(err).__name__}: {err}"})
         os._exit(SETUP_FAILED)

@@ -39,6 +39,7 @@ from services.common.settings import load_settings, setup_logging
 from services.reward import tools
 from services.reward.config import RewardSettings
 from services.reward.plugins import PluginError, PluginResultError, Plugins, is_plugin
+from services.reward.sandbox import check_isolation
 from services.reward.telemetry import UNKNOWN, RewardMetrics
 from services.reward.verifiers import (
     Verifier,
@@ -301,6 +302,7 @@ def register(
     """
     settings = settings if settings is not None else load_settings(RewardSettings)
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(settings, metrics=metrics), server)
+    check_isolation(tools.sandbox_config(settings))  # logs whether python code can run here, and how
     return [SERVICE_NAME, *(tools.register(server, settings) if settings.tools_enabled else [])]
 
 

@@ -139,6 +139,7 @@ def sandbox_config(settings: RewardSettings) -> SandboxConfig:
         site_packages=settings.sandbox_site_packages,
         root_dir=settings.sandbox_dir or None,
         uid_base=settings.sandbox_uid_base,
+        isolation=settings.sandbox_isolation,
     )
 
 

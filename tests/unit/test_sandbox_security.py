@@ -2,11 +2,13 @@
 no process behind, and the next ordinary call must still work.
 
 As root (this repository's CI) every layer applies: a network namespace, a read-only mount
-namespace, a uid of its own. Without root the checks that need those layers are skipped.
+namespace, a uid of its own, the seccomp filter. Without root these tests run in the unsafe mode
+(only the filter and rlimits) and the checks that need the other layers are skipped.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.reward.sandbox import ErrorKind, RunResult, SandboxConfig, Sandboxes, SandboxLimits
-from tests.unit.test_sandbox import sandbox_uids_in_use
+from tests.unit.test_sandbox import ISOLATION, sandbox_uids_in_use
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +31,7 @@ AS_ROOT = os.geteuid() == 0
 
 @pytest.fixture
 def sandboxes(tmp_path: Path) -> Iterator[Sandboxes]:
-    sandboxes = Sandboxes(SandboxConfig(limits=LIMITS, root_dir=str(tmp_path)))
+    sandboxes = Sandboxes(SandboxConfig(limits=LIMITS, root_dir=str(tmp_path), isolation=ISOLATION))
     yield sandboxes
     assert sandbox_uids_in_use(sandboxes) == set()
     assert list(tmp_path.iterdir()) == []
@@ -192,6 +194,60 @@ def test_no_socket_can_be_made_bound_or_listened_on(sandboxes: Sandboxes) -> Non
     still_works(sandboxes)
 
 
+EVERY_SOCKET = """
+import ctypes, errno, socket, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def raw_socket(family):  # libc's socket(2) itself: no Python-level hook can stand in the way
+    fd = libc.socket(family, socket.SOCK_STREAM, 0)
+    return fd if fd >= 0 else -ctypes.get_errno()
+
+
+def listener():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+
+for what, call in [
+    ("inet", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+    ("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
+    ("listener", listener),
+    ("inet6", lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM)),
+    ("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)),
+    ("unix", lambda: socket.socket(socket.AF_UNIX)),
+    ("pair", lambda: socket.socketpair()),
+]:
+    try:
+        call()
+        print(what, "allowed")
+    except OSError as err:
+        print(what, type(err).__name__, errno.errorcode.get(err.errno))
+print("raw", raw_socket(socket.AF_INET), raw_socket(socket.AF_UNIX))
+child = "import socket\\ntry:\\n    socket.socket()\\nexcept OSError as err:\\n    print(err.errno)"
+done = subprocess.run([sys.executable, "-S", "-c", child], capture_output=True, text=True)
+print("child", done.stdout.strip())
+print("io_uring", libc.syscall(425, 8, ctypes.create_string_buffer(120)), ctypes.get_errno())
+"""
+
+
+def test_no_socket_of_any_family(sandboxes: Sandboxes) -> None:
+    """The seccomp filter: socket(2) and socketpair(2) fail for every family, through Python,
+    through libc directly and in a child process, as does io_uring_setup (io_uring makes sockets)."""
+    result, took = run(sandboxes, EVERY_SOCKET)
+    assert result.ok and took < 3.0, (result.error, result.stderr)
+    names = ("inet", "udp", "listener", "inet6", "netlink", "unix", "pair")
+    eacces = errno.EACCES
+    assert result.stdout.splitlines() == [
+        *(f"{name} PermissionError EACCES" for name in names),
+        f"raw {-eacces} {-eacces}",
+        f"child {eacces}",
+        f"io_uring -1 {eacces}",
+    ]
+    still_works(sandboxes)
+
+
 def test_huge_output(sandboxes: Sandboxes) -> None:
     result, took = run(sandboxes, "while True:\n    print('x' * 1000)")
     assert result.kind == ErrorKind.OUTPUT_LIMIT and result.truncated and took < 2.0
@@ -232,6 +288,6 @@ def test_a_huge_file(sandbox_dir_limits: Sandboxes) -> None:
 def sandbox_dir_limits(tmp_path: Path) -> Iterator[Sandboxes]:
     """Sandboxes with 1 MiB for files."""
     limits = SandboxLimits(timeout_s=3.0, disk_bytes=1024 * 1024)
-    sandboxes = Sandboxes(SandboxConfig(limits=limits, root_dir=str(tmp_path)))
+    sandboxes = Sandboxes(SandboxConfig(limits=limits, root_dir=str(tmp_path), isolation=ISOLATION))
     yield sandboxes
     assert sandbox_uids_in_use(sandboxes) == set()
