@@ -30,8 +30,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from services.api.config import ApiSettings
-from services.api.exports import JobId
-from services.api.guard import error_responses
+from services.api.guard import JobId, error_responses
 from services.common.checkpoint_layout import ENTRY_REF, EntryKind, SavedEntry, SavedVersions
 from services.common.jobs import JobNotFoundError, JobStore
 

@@ -30,8 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from services.api.config import ApiSettings
-from services.api.exports import JobId
-from services.api.guard import error_responses
+from services.api.guard import JobId, error_responses
 from services.common.events import START, EventLog
 from services.common.jobs import JobStore
 from services.common.redis_client import AsyncClient, RedisTarget, async_client

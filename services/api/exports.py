@@ -11,20 +11,15 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request, status
-from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.api.config import ApiSettings
-from services.api.guard import ErrorBody, error_responses
+from services.api.guard import ErrorBody, JobId, error_responses
 from services.common.export import ExportError, export_version
 from services.common.jobs import JobNotFoundError, JobStore
-
-JobId = Annotated[
-    str, PathParam(min_length=1, max_length=200, description="The job id, e.g. addition-1a2b3c4d.")
-]
 
 
 class ExportRequest(BaseModel):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -23,6 +23,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.config import ApiSettings
+
+JobId = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^{}]+$",
+        description="The job id, e.g. addition-1a2b3c4d (no braces: they are its keys' hash tag).",
+    ),
+]
+"""A job id in a path: what no job can have (braces, nothing, 200+ characters) is a 422."""
 
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/"})
 """Paths served without the token (probes, Prometheus, the dashboard's page)."""

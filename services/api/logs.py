@@ -22,8 +22,7 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict
 
 from services.api.config import ApiSettings
-from services.api.exports import JobId
-from services.api.guard import error_responses
+from services.api.guard import JobId, error_responses
 from services.common import service_logs
 from services.common.events import EVENT_ID, log_line
 from services.common.jobs import TERMINAL_STATES, JobStore

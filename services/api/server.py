@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Path, Query, Request, Response, status
+from fastapi import FastAPI, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -26,7 +26,7 @@ from services.api.cluster import add_cluster_route
 from services.api.config import ApiSettings
 from services.api.events import add_events_route, event_client
 from services.api.exports import add_export_route
-from services.api.guard import error_responses, guard
+from services.api.guard import JobId, error_responses, guard
 from services.api.health import Health, RedisErrorHandler, Watchdog, request_client
 from services.api.logs import add_log_routes
 from services.api.site import add_dashboard
@@ -40,8 +40,6 @@ from services.common.settings import load_settings, redis_target
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
 from services.controller.telemetry import ControllerMetrics
-
-JobId = Annotated[str, Path(min_length=1, max_length=200, description="The job id, e.g. addition-1a2b3c4d.")]
 
 
 class View(BaseModel):
