@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import pytest
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -155,3 +156,13 @@ async def step_metrics(bus: Bus, job_id: str, step: int, timeout_s: float = 60.0
         return (await metrics_of(bus, job_id)).get(step)
 
     return await eventually(found, f"metrics of step {step} of {job_id}", timeout_s=timeout_s)
+
+
+def assert_trained_as_one_process(one: dict, many: dict, world: int) -> None:
+    """The reports of tests/integration/distributed_policy.py run by one process (``one``) and by
+    ``world`` data-parallel ranks (``many``): the same samples, losses and gradients."""
+    assert (one["world"], many["world"]) == (1, world)
+    assert many["tokens"] == one["tokens"]  # the ranks split the batch: no sample ran twice
+    assert many["losses"] == pytest.approx(one["losses"], abs=1e-6)
+    assert one["losses"][0] != pytest.approx(one["losses"][1], abs=1e-4)  # the weights moved
+    assert many["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)

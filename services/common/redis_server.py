@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -47,11 +48,50 @@ def redis_server_binary() -> str:
     return path
 
 
+_LOWEST_PICKED_PORT = 10_000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _below_ephemeral() -> range:
+    """Ports under the kernel's ephemeral range: no outgoing connection, and no ``bind(0)`` of
+    another process (gloo, a TCPStore), takes one between our pick and the child's bind."""
+    try:
+        lowest = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(_LOWEST_PICKED_PORT, lowest) if lowest - _LOWEST_PICKED_PORT >= 1_000 else range(0)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller retries if it is taken)."""
+    """A TCP port that was free a moment ago and that this process has not handed out before
+    (the caller retries if it is taken). Drawn below the ephemeral range where there is one, so
+    that a port planned for a child is not taken by someone's outgoing connection meanwhile."""
+    candidates = _below_ephemeral()
+    with _handed_out_lock:
+        for _ in range(64 if candidates else 0):
+            port = random.choice(candidates)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+        for _ in range(64):  # no such range, or all 64 draws taken: the kernel's pick
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no free TCP port on {host}: 128 tries gave taken or already planned ports")
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -14,6 +14,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis.core.errors import InvalidSchema
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import status_code_conformance
 
@@ -32,9 +33,11 @@ def api(redis_url: str) -> Iterator[ApiProcess]:
         yield process
 
 
-def check_operation(operation: Any, mode: Any, seen: Counter[int]) -> None:
+def check_operation(operation: Any, mode: Any, seen: Counter[int]) -> bool:
     """EXAMPLES_PER_OPERATION requests that hypothesis draws from the operation's schema: valid
-    ones (POSITIVE) or ones that break it (NEGATIVE)."""
+    ones (POSITIVE) or ones that break it (NEGATIVE). False where schemathesis could not build
+    invalid requests for the operation's schema (its generator gives up on some of JobSpec's
+    arrays in some runs: "Cannot generate an array with 1 demanded elements"); valid ones it must."""
 
     @settings(
         max_examples=EXAMPLES_PER_OPERATION,
@@ -55,14 +58,23 @@ def check_operation(operation: Any, mode: Any, seen: Counter[int]) -> None:
         send()
     except Unsatisfiable:  # an operation without inputs has no invalid request to send
         assert mode is GenerationMode.NEGATIVE and not operation.path_parameters
+    except InvalidSchema:
+        if mode is not GenerationMode.NEGATIVE:
+            raise
+        return False
+    return True
 
 
 def test_the_openapi_under_schemathesis_gets_no_5xx(api: ApiProcess) -> None:
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", headers=HEADERS)
     operations = [result.ok() for result in schema.get_all_operations()]
     seen: Counter[int] = Counter()
+    not_negated = []
     for operation in operations:
         for mode in GenerationMode:
-            check_operation(operation, mode, seen)
+            if not check_operation(operation, mode, seen):
+                not_negated.append(operation.label)
     print(f"schemathesis: {len(operations)} operations, outcomes {sorted(seen.items())}")
+    print(f"schemathesis could not build invalid requests for: {not_negated}")
     assert len(operations) >= 6 and sum(seen.values()) >= 4 * len(operations)
+    assert len(not_negated) <= len(operations) // 4, not_negated
