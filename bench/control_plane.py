@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import psutil
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -94,6 +95,8 @@ class Window:
     stages: dict[str, float]
     """Mean seconds per group of each stage of the loop (the trainer simulator's sums)."""
     profiles: dict[str, Path] = field(default_factory=dict)
+    batches: dict[str, float] = field(default_factory=dict)
+    """Mean groups per batch of each of the runner's batched calls over the window."""
 
     @property
     def groups_per_s(self) -> float:
@@ -270,10 +273,12 @@ def measure(
         pids = process_ids(stack, sims)
         profiled = [pid for name in profile for pid in pids.get(name, [])]
         signal_all(profiled, signal.SIGUSR1)
+        batches_before = runner_batches(stack)
         before, cpu_before, load_before = acked(client), cpu_seconds(pids), CpuSample.now("")
         began = time.perf_counter()
         sleep_checking(sizes.seconds, check)
         after, cpu_after, load_after = acked(client), cpu_seconds(pids), CpuSample.now("")
+        batches = mean_batches(batches_before, runner_batches(stack))
         seconds = time.perf_counter() - began
         signal_all(profiled, signal.SIGUSR2)
     finally:
@@ -286,7 +291,44 @@ def measure(
     groups = int(counted.get("groups", 0))
     stages = {name: counted.get(name, 0.0) / max(1, groups) for name in STAGE_NAMES}
     other = load_after.other_cores_since(load_before)
-    return Window(engines, seconds, groups, int(counted.get("trajectories", 0)), cpu, other, stages)
+    trajectories = int(counted.get("trajectories", 0))
+    return Window(engines, seconds, groups, trajectories, cpu, other, stages, batches=batches)
+
+
+BATCH_CALLS = ("read", "generate", "score", "publish")
+"""The runner's batched calls (its verst_runner_batch_groups series), in a group's order."""
+
+
+def runner_batches(stack: Stack) -> dict[str, tuple[float, float]]:
+    """The runner's batch histograms now: (groups, batches) by call, from its /metrics."""
+    port = stack.metrics_ports.get("runner")
+    if not port:
+        return {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
+    sums: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "verst_runner_batch_groups":
+            continue
+        for sample in family.samples:
+            call = sample.labels.get("call", "")
+            groups, batches = sums.get(call, (0.0, 0.0))
+            if sample.name.endswith("_sum"):
+                sums[call] = (sample.value, batches)
+            elif sample.name.endswith("_count"):
+                sums[call] = (groups, sample.value)
+    return sums
+
+
+def mean_batches(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean groups per batch of each call between two readings of ``runner_batches``."""
+    means: dict[str, float] = {}
+    for call, (groups, batches) in after.items():
+        groups_before, batches_before = before.get(call, (0.0, 0.0))
+        if batches > batches_before:
+            means[call] = (groups - groups_before) / (batches - batches_before)
+    return means
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -380,6 +422,16 @@ def stage_table(windows: Sequence[Window]) -> list[str]:
     return lines
 
 
+def batch_table(windows: Sequence[Window]) -> list[str]:
+    """Mean groups per batch of the runner's batched calls: how well its calls coalesce."""
+    lines = ["| engines | " + " | ".join(f"{c} groups/batch" for c in BATCH_CALLS) + " |"]
+    lines.append("|" + "---:|" * (len(BATCH_CALLS) + 1))
+    for w in windows:
+        cells = [f"{w.batches[c]:.1f}" if c in w.batches else "-" for c in BATCH_CALLS]
+        lines.append(f"| {w.engines} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def dearest(windows: Sequence[Window]) -> str:
     """Which service takes the most control-plane CPU per group, over all windows."""
     totals = {name: sum(w.cpu.get(name, 0.0) for w in windows) for name in CONTROL_PLANE}
@@ -441,6 +493,10 @@ def section(sizes: Sizes, command: str, host: dict[str, str], windows: Sequence[
         "other groups included):",
         "",
         *stage_table(windows),
+        "",
+        "Groups per batch of the runner's batched calls (its verst_runner_batch_groups histograms):",
+        "",
+        *batch_table(windows),
     ]
     if busy > BUSY_MACHINE:
         lines += [
@@ -496,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="verst-control-plane-") as scratch:
         windows, host = run(sizes, env, profile, Path(scratch), args.separate_controller)
         extra = profile_lines(windows, args.profile_top)
-    lines = [*table(windows), "", *stage_table(windows)]
+    lines = [*table(windows), "", *stage_table(windows), "", *batch_table(windows)]
     print("\n".join(["", *lines, "", f"control-plane CPU by service: {dearest(windows)}", *extra]))
     if not args.no_results:
         command = shlex.join(

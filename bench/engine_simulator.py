@@ -3,14 +3,15 @@
 Benchmark-only. Each simulated engine is a gRPC server of ``verst.v1.Rollout`` on a port of its
 own that answers at once with canned samples: ``n`` completions of ``--tokens`` tokens each (at
 most the request's ``max_new_tokens``), every token with a logprob and the policy version served,
-finished by length. Apart from the model it behaves as a real engine does towards the control
-plane: it heartbeats its EngineInfo into the engine registry every second
-(services/common/engine_registry.py), follows the newest running job's checkpoint handles
-(a blocking read of the job's checkpoints stream, as services/rollout/watcher.py), takes a handle
-at once (no files are read), makes a request that needs a newer version (``min_policy_version``)
-wait for it, answers GenerateBatch request by request in order, and leaves the registry when it
-stops. Many engines share one process and event loop, so that 64 engines cost one Python
-process, whose CPU bench/control_plane.py reports apart from the control plane's.
+finished by length, with their text (as SGLang sends it, so that the runner does not decode). Apart
+from the model it behaves as a real engine does towards the control plane: it heartbeats its
+EngineInfo into the engine registry every second (services/common/engine_registry.py), follows the
+newest running job's checkpoint handles (a blocking read of the job's checkpoints stream, as
+services/rollout/watcher.py), takes a handle at once (no files are read), makes a request that
+needs a newer version (``min_policy_version``) wait for it, answers GenerateBatch request by
+request in order, and leaves the registry when it stops. Many engines share one process and event
+loop, so that 64 engines cost one Python process, whose CPU bench/control_plane.py reports apart
+from the control plane's.
 
     .venv/bin/python bench/engine_simulator.py --redis-url redis://127.0.0.1:6379/0 --engines 16
 """
@@ -76,12 +77,14 @@ class CannedSamples:
             self._version = version
         made = self._made.get((index, length))
         if made is None:
+            digits = [(index + j) % 10 for j in range(length)]
             made = rollout_pb2.Completion(
                 index=index,
-                token_ids=[FIRST_DIGIT + (index + j) % 10 for j in range(length)],
+                token_ids=[FIRST_DIGIT + digit for digit in digits],
                 logprobs=[-0.5] * length,
                 policy_versions=[version] * length,
                 finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                text="".join(map(str, digits)),  # as SGLang, which detokenizes on the engine's host
             )
             self._made[index, length] = made
         return made
@@ -188,6 +191,16 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
 
     async def answer(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         """The request's completions, or RequestFailed as a real engine would fail it."""
+        response = rollout_pb2.GenerateResponse()
+        await self.fill(request, response)
+        return response
+
+    async def fill(
+        self, request: rollout_pb2.GenerateRequest, response: rollout_pb2.GenerateResponse
+    ) -> None:
+        """Write the request's completions into ``response`` (built in place: copying 1,000-token
+        samples from message to message cost the simulator more than the rest), or raise
+        RequestFailed as a real engine would fail it."""
         started = time.monotonic()
         if not self._resumed.is_set():
             try:
@@ -202,12 +215,11 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
         n = max(1, request.sampling.n)
         budget = request.sampling.max_new_tokens or self.samples.tokens
         length = min(self.samples.tokens, budget)
-        response = rollout_pb2.GenerateResponse(request_id=request.request_id, engine_id=self.engine_id)
+        response.request_id, response.engine_id = request.request_id, self.engine_id
         response.completions.extend(self.samples.completion(i, length, served.version) for i in range(n))
         stats = response.stats
         stats.prompt_tokens, stats.completion_tokens = len(request.prompt_token_ids), n * length
         stats.total_s = time.monotonic() - started
-        return response
 
     async def _wait_for_version(self, request: rollout_pb2.GenerateRequest) -> None:
         wanted = (request.min_policy_epoch, request.min_policy_version)
@@ -239,17 +251,18 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
         self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateBatchResponse:
         self.running += len(request.requests)
-        try:
-            results = await asyncio.gather(*(self._result(one) for one in request.requests))
+        reply = rollout_pb2.GenerateBatchResponse()
+        try:  # one by one: a request waits only for a version, which the batch's others share
+            for one in request.requests:
+                result = reply.results.add()
+                try:
+                    await self.fill(one, result.response)
+                except RequestFailed as err:
+                    result.Clear()
+                    result.code, result.details = err.code.value[0], err.details
         finally:
             self.running -= len(request.requests)
-        return rollout_pb2.GenerateBatchResponse(results=results)
-
-    async def _result(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResult:
-        try:
-            return rollout_pb2.GenerateResult(response=await self.answer(request))
-        except RequestFailed as err:
-            return rollout_pb2.GenerateResult(code=err.code.value[0], details=err.details)
+        return reply
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext

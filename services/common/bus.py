@@ -13,6 +13,7 @@ reason and original bytes, and is acked, so it never blocks the stream.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from services.common.outage import DEFAULT_OUTAGE_S, RETRIED_ERRORS, OutageClock, OutageRetry
 from services.common.payloads import (
@@ -112,6 +113,38 @@ def connect(
     return client
 
 
+APPEND_SCRIPT = """
+-- KEYS[1]: a stream. ARGV: maxlen, the type field and its value, the data field, then one
+-- payload per entry. Appends them in order; their entry ids.
+local ids = {}
+for i = 5, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[3], ARGV[4], ARGV[i])
+end
+return ids
+"""
+"""Many appends to one stream as one command: a pipeline of XADDs cost the client more (each
+command's encoding, reply and read timeout) than the entries' bytes."""
+APPEND_SHA = hashlib.sha1(APPEND_SCRIPT.encode()).hexdigest()
+
+
+APPEND_CHUNK_BYTES = 256 * 1024
+"""Payload bytes per append command: hiredis packs a command of several MiB many times slower
+per byte than one of a few hundred KiB."""
+
+
+def payload_chunks(payloads: list[bytes]) -> list[list[bytes]]:
+    """``payloads`` in order, cut into runs of at most APPEND_CHUNK_BYTES (a larger one alone)."""
+    chunks: list[list[bytes]] = []
+    size = APPEND_CHUNK_BYTES
+    for payload in payloads:
+        if size + len(payload) > APPEND_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(payload)
+        size += len(payload)
+    return chunks
+
+
 def encode(message: Message) -> dict[bytes, bytes]:
     """Stream entry fields for a proto message."""
     return {TYPE_FIELD: message.DESCRIPTOR.full_name.encode(), DATA_FIELD: message.SerializeToString()}
@@ -192,20 +225,62 @@ class Bus:
     async def publish_groups(
         self, groups: Sequence[tuple[str, Sequence[Message]]], *, maxlen: int | None = None
     ) -> list[list[str] | Exception]:
-        """Append several groups of messages, each to its own stream, in one round trip; per
-        group, its entry ids, or the error of an append that failed (its other appends stand).
-        A failure of the round trip itself is raised."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, messages in groups:
+        """Append several groups of messages, each to its own stream; per group, its entry ids,
+        or the error of the appends to its stream (which may have written some: the consumers
+        keep one entry per id). The appends to one stream go as one command, the streams'
+        concurrently. Messages of one stream are of one type."""
+        by_stream: dict[str, list[int]] = {}
+        kinds: dict[str, Any] = {}
+        for index, (stream, messages) in enumerate(groups):
+            by_stream.setdefault(stream, []).append(index)
             for message in messages:
-                pipe.xadd(stream, encode(message), maxlen=maxlen or self.maxlen)
-        replies = iter(await pipe.execute(raise_on_error=False))
-        outcomes: list[list[str] | Exception] = []
-        for _, messages in groups:
-            mine = [next(replies) for _ in messages]
-            error = next((reply for reply in mine if isinstance(reply, Exception)), None)
-            outcomes.append(error if error is not None else [entry_id.decode() for entry_id in mine])
+                if kinds.setdefault(stream, message.DESCRIPTOR) is not message.DESCRIPTOR:
+                    raise TypeError(f"messages of several types for {stream}: one stream carries one type")
+        appended = await asyncio.gather(
+            *(
+                self._append(stream, [m for i in indices for m in groups[i][1]], maxlen or self.maxlen)
+                for stream, indices in by_stream.items()
+            ),
+            return_exceptions=True,
+        )
+        outcomes: list[list[str] | Exception] = [[] for _ in groups]
+        for indices, ids in zip(by_stream.values(), appended, strict=True):
+            if isinstance(ids, BaseException):
+                if not isinstance(ids, Exception):
+                    raise ids
+                for i in indices:
+                    outcomes[i] = ids
+                continue
+            start = 0
+            for i in indices:
+                outcomes[i] = ids[start : start + len(groups[i][1])]
+                start += len(groups[i][1])
         return outcomes
+
+    async def _append(self, stream: str, messages: list[Message], maxlen: int) -> list[str]:
+        """``messages`` (of one type) appended to ``stream``, in order, a few hundred KiB per
+        command (APPEND_SCRIPT), the commands in one round trip."""
+        if not messages:
+            return []
+        head = [maxlen, TYPE_FIELD, messages[0].DESCRIPTOR.full_name.encode(), DATA_FIELD]
+        chunks = payload_chunks([m.SerializeToString() for m in messages])
+        replies = await self._append_chunks(stream, head, chunks)
+        if any(isinstance(reply, NoScriptError) for reply in replies):  # a new or restarted Redis
+            await self.redis.script_load(APPEND_SCRIPT)
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            again = await self._append_chunks(stream, head, [chunks[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [entry_id.decode() for reply in replies for entry_id in reply]
+
+    async def _append_chunks(self, stream: str, head: list[Any], chunks: list[list[bytes]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for chunk in chunks:
+            pipe.evalsha(APPEND_SHA, 1, stream, *head, *chunk)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def latest(self, stream: str, message_type: type[M]) -> M | None:
         """The newest good message of a stream, without a consumer group (e.g. the latest

@@ -234,7 +234,10 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         elif name not in self._verifiers:
             listed = ", ".join(known)
             error = f"unknown verifier {name!r}; known verifiers: {listed}, or a plugin as module:function"
-        return reward_pb2.CheckVerifierResponse(ok=not error, error=error, verifiers=known)
+        text_only = not error and not is_plugin(name)  # registered verifiers never see token ids
+        return reward_pb2.CheckVerifierResponse(
+            ok=not error, error=error, verifiers=known, text_only=text_only
+        )
 
     def _deadline_s(self, context: grpc.aio.ServicerContext) -> float:
         """``score_timeout_s``, or what is left of the call's deadline when that is less."""

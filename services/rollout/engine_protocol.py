@@ -56,6 +56,8 @@ class Completion:
     policy_versions: list[int]
     finish_reason: FinishReason
     error: str = ""
+    text: str | None = None
+    """The response's text without special tokens, when the backend detokenizes (SGLang)."""
 
 
 @dataclass(eq=False)

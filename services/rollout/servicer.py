@@ -78,6 +78,7 @@ def completion_proto(completion: Completion) -> rollout_pb2.Completion:
         policy_versions=completion.policy_versions,
         finish_reason=completion.finish_reason,  # type: ignore[arg-type]
         error=completion.error,
+        text=completion.text,
     )
 
 

@@ -146,6 +146,9 @@ class _Batch:
     requests: list[rollout_pb2.GenerateRequest]
     attempts: list[_Attempts]
     results: list[rollout_pb2.GenerateResult] = field(default_factory=list)
+    whole: rollout_pb2.GenerateBatchResponse | None = None
+    """One engine's reply that answered every request, in order, each OK: the batch's answer as
+    it is (copying a step's samples into a new reply cost the router more than routing them)."""
 
     def __post_init__(self) -> None:
         self.results = [rollout_pb2.GenerateResult() for _ in self.requests]
@@ -199,6 +202,8 @@ class Router(router_pb2_grpc.RouterServicer):
         requests = list(request.requests)
         batch = _Batch(requests, [self._attempts(item, deadline) for item in requests])
         await self._dispatch(batch, list(range(len(requests))))
+        if batch.whole is not None:
+            return batch.whole
         return rollout_pb2.GenerateBatchResponse(results=batch.results)
 
     async def _dispatch(self, batch: _Batch, indices: list[int]) -> None:
@@ -217,7 +222,12 @@ class Router(router_pb2_grpc.RouterServicer):
         """One share's results; those worth another engine are sent again as soon as it returns."""
         link, indices = share
         again = []
-        for index, reply in zip(indices, await self._send_share(share, batch), strict=True):
+        replies = await self._send_share(share, batch)
+        if isinstance(replies, rollout_pb2.GenerateBatchResponse):
+            if len(indices) == len(batch.requests) and all(r.code == 0 for r in replies.results):
+                batch.whole = replies  # every request, in order (the share is the whole batch)
+            replies = list(replies.results)
+        for index, reply in zip(indices, replies, strict=True):
             if reply.code == grpc.StatusCode.OK.value[0]:
                 self.pool.bind(batch.requests[index].session_id, link)
                 batch.results[index] = reply
@@ -230,9 +240,11 @@ class Router(router_pb2_grpc.RouterServicer):
         if again:
             await self._dispatch(batch, again)
 
-    async def _send_share(self, share: Share, batch: _Batch) -> list[rollout_pb2.GenerateResult]:
-        """One engine's share as one GenerateBatch (an engine without it: one Generate each); a
-        failure of the whole call is every request's."""
+    async def _send_share(
+        self, share: Share, batch: _Batch
+    ) -> rollout_pb2.GenerateBatchResponse | list[rollout_pb2.GenerateResult]:
+        """One engine's share as one GenerateBatch, its reply (an engine without it: one Generate
+        each, their results); a failure of the whole call is every request's."""
         link, indices = share
         sent = rollout_pb2.GenerateBatchRequest(requests=[batch.requests[i] for i in indices])
         timeout = max(batch.attempts[i].remaining() for i in indices)
@@ -254,7 +266,7 @@ class Router(router_pb2_grpc.RouterServicer):
             return [
                 rollout_pb2.GenerateResult(code=grpc.StatusCode.INTERNAL.value[0], details=details)
             ] * len(indices)
-        return list(reply.results)
+        return reply
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -42,6 +42,8 @@ SHARED_FAILURES = frozenset(
 """Failures of a whole batch that are every member's (the service, the link or the time): the
 other codes send the members again one by one."""
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+CHECK_TIMEOUT_S = 10.0
+"""Deadline of the CheckVerifier that tells whether a verifier needs token ids."""
 
 Outcome = R | BaseException
 Send = Callable[[list[T], list[float | None]], Awaitable[list[Any]]]
@@ -69,13 +71,24 @@ class _Call(Generic[T, R]):
 class Coalescer(Generic[T, R]):
     """Queues calls and sends them together through ``send``."""
 
-    def __init__(self, send: Send[T], *, window_s: float, max_calls: int, name: str) -> None:
+    def __init__(
+        self,
+        send: Send[T],
+        *,
+        window_s: float,
+        max_calls: int,
+        name: str,
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
         self.send = send
         self.window_s = window_s
         self.max_calls = max_calls
         self.name = name
+        self.observe = observe
+        """Told the number of calls of every batch sent (a metric)."""
         self._queue: list[_Call[T, R]] = []
         self._first_at = 0.0
+        self._last_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -97,13 +110,21 @@ class Coalescer(Generic[T, R]):
                 self._queue.remove(queued)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        now = loop.time()
+        """Note the call's time; one timer per batch, which looks again when it fires (moving
+        a timer for every call of a batch cost more than the batch saved)."""
+        self._last_at = now = loop.time()
         if len(self._queue) == 1:
             self._first_at = now
-        if self._timer is not None:
-            self._timer.cancel()
-        when = min(now + self.window_s, self._first_at + MAX_WAIT_WINDOWS * self.window_s)
-        self._timer = loop.call_at(when, self._flush)
+        if self._timer is None:
+            self._timer = loop.call_at(now + self.window_s, self._due, loop)
+
+    def _due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Flush when no call came for a window, or the first has waited its most; else wait on."""
+        when = min(self._last_at + self.window_s, self._first_at + MAX_WAIT_WINDOWS * self.window_s)
+        if loop.time() >= when or not self._queue:
+            self._flush()
+        else:
+            self._timer = loop.call_at(when, self._due, loop)
 
     def _flush(self) -> None:
         if self._timer is not None:
@@ -119,6 +140,8 @@ class Coalescer(Generic[T, R]):
         live = [call for call in calls if not call.future.done()]
         if not live:
             return
+        if self.observe is not None:
+            self.observe(len(live))
         now = asyncio.get_running_loop().time()
         timeouts = [None if c.deadline is None else max(0.0, c.deadline - now) for c in live]
         try:
@@ -181,12 +204,19 @@ class CoalescingRouter(_CoalescingStub):
     """The router stub, its Generate calls coalesced into GenerateBatch calls; its other
     methods (GenerateStream, ListEngines...) are the stub's own."""
 
-    def __init__(self, stub: router_pb2_grpc.RouterStub, *, window_s: float, max_calls: int) -> None:
+    def __init__(
+        self,
+        stub: router_pb2_grpc.RouterStub,
+        *,
+        window_s: float,
+        max_calls: int,
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
         self.stub = stub
         self.batches = True
         """False once the router answered GenerateBatch with UNIMPLEMENTED."""
         self._calls = Coalescer[rollout_pb2.GenerateRequest, rollout_pb2.GenerateResponse](
-            self._send, window_s=window_s, max_calls=max_calls, name="router Generate"
+            self._send, window_s=window_s, max_calls=max_calls, name="router Generate", observe=observe
         )
 
     async def Generate(
@@ -221,11 +251,43 @@ class CoalescingReward(_CoalescingStub):
     """The reward stub, its ScoreBatch calls coalesced into one ScoreBatch of all their items;
     its other methods are the stub's own."""
 
-    def __init__(self, stub: reward_pb2_grpc.RewardStub, *, window_s: float, max_calls: int) -> None:
+    def __init__(
+        self,
+        stub: reward_pb2_grpc.RewardStub,
+        *,
+        window_s: float,
+        max_calls: int,
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
         self.stub = stub
         self._calls = Coalescer[reward_pb2.ScoreBatchRequest, reward_pb2.ScoreBatchResponse](
-            self._send, window_s=window_s, max_calls=max_calls, name="reward ScoreBatch"
+            self._send, window_s=window_s, max_calls=max_calls, name="reward ScoreBatch", observe=observe
         )
+        self._text_only: dict[str, asyncio.Task[bool]] = {}
+
+    async def text_only(self, verifier: str) -> bool:
+        """Whether the service's ``verifier`` reads texts alone (its CheckVerifier says so), so
+        that ScoreRequests for it may leave the token ids out: most of a request's bytes. Asked
+        once per name; False, asked again next time, when the service cannot tell now; False for
+        good from a service without CheckVerifier or that does not say."""
+        asked = self._text_only.get(verifier)
+        if asked is None or (asked.done() and (asked.cancelled() or asked.exception() is not None)):
+            asked = asyncio.ensure_future(self._check(verifier))
+            self._text_only[verifier] = asked
+        try:
+            return await asyncio.shield(asked)
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def _check(self, verifier: str) -> bool:
+        request = reward_pb2.CheckVerifierRequest(verifier=verifier)
+        try:
+            reply = await self.stub.CheckVerifier(request, timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise
+        return bool(reply.ok and reply.text_only)
 
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, timeout: float | None = None

@@ -51,6 +51,8 @@ TRANSIENT_CODES = frozenset(
     }
 )
 """Codes worth an immediate retry: they come back fast and usually pass."""
+RETRY_WAIT_S = 0.1
+"""The wait before the first retry, doubling for each next one (at most 5 s)."""
 
 
 class InvalidTaskError(ValueError):
@@ -91,21 +93,32 @@ def _is_transient(error: BaseException) -> bool:
 
 async def call(service: str, retry_s: float, call: Callable[[], Awaitable[T]]) -> T:
     """``call()`` with transient failures retried for ``retry_s``; errors mapped to the two kinds."""
+    started = time.monotonic()
+    try:  # the first attempt outside the retry loop, whose set-up costs more than most calls
+        return await call()
+    except grpc.aio.AioRpcError as err:
+        if not _is_transient(err) or retry_s <= 0:
+            raise _mapped(service, err) from None
+    await asyncio.sleep(min(RETRY_WAIT_S, retry_s))
     try:
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_is_transient),
-            stop=stop_after_delay(retry_s),
-            wait=wait_exponential(multiplier=0.1, max=5.0),
+            stop=stop_after_delay(max(0.0, retry_s - (time.monotonic() - started))),
+            wait=wait_exponential(multiplier=2 * RETRY_WAIT_S, max=5.0),  # 0.2 s, 0.4 s...
             reraise=True,
         ):
             with attempt:
                 return await call()
     except grpc.aio.AioRpcError as err:
-        text = f"{service}: {err.code().name}: {err.details()}"
-        if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidTaskError(text) from None
-        raise RetryLaterError(text) from None
+        raise _mapped(service, err) from None
     raise AssertionError("unreachable: AsyncRetrying either returns or raises")
+
+
+def _mapped(service: str, err: grpc.aio.AioRpcError) -> InvalidTaskError | RetryLaterError:
+    text = f"{service}: {err.code().name}: {err.details()}"
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidTaskError(text)
+    return RetryLaterError(text)
 
 
 def check_task(task: common_pb2.PromptTask, job_id: str) -> None:
@@ -189,10 +202,14 @@ async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> 
     """One Trajectory per sample of ``task`` (sample order), aborted samples resumed, with rewards."""
     request = group_request(task)
     samples = await generate_group(request, clients)
-    await run_all(
-        [resume(request, s, clients, index=i, name=f"{task.prompt_id}:{i}") for i, s in enumerate(samples)],
-        name=task.prompt_id,
-    )
+    aborted = [
+        (i, s) for i, s in enumerate(samples) if s.completion.finish_reason == common_pb2.FINISH_REASON_ABORT
+    ]
+    if aborted:  # most groups have none: no task per sample
+        await run_all(
+            [resume(request, s, clients, index=i, name=f"{task.prompt_id}:{i}") for i, s in aborted],
+            name=task.prompt_id,
+        )
     return await finish_group(task, samples, clients)
 
 
@@ -216,14 +233,25 @@ async def finish_group(
     """Score the finished samples in one ScoreBatch and build their Trajectories (their stage
     times: generated and scored; the runner adds the others)."""
     generated = time.time()
-    completions = [sample.completion for sample in samples]
-    texts = decode_texts(clients.tokenizer, [c.token_ids for c in completions])
+    texts = response_texts(samples, clients.tokenizer)
     scores = await _score(task, samples, texts, clients)
     stages = common_pb2.StageTimes(generated=generated, scored=time.time())
     trajectories = [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
     for trajectory in trajectories:
         trajectory.stages.CopyFrom(stages)
     return trajectories
+
+
+def response_texts(samples: list[Sample], tokenizer: Any) -> list[str]:
+    """Each sample's response text: the engine's where it sent one (SGLang detokenizes anyway),
+    else decoded here, in one call for those that need it."""
+    texts: list[str | None] = [s.completion.text if s.completion.HasField("text") else None for s in samples]
+    missing = [i for i, text in enumerate(texts) if text is None]
+    if missing:
+        decoded = decode_texts(tokenizer, [samples[i].completion.token_ids for i in missing])
+        for i, text in zip(missing, decoded, strict=True):
+            texts[i] = text
+    return [text or "" for text in texts]
 
 
 def resume_seed(seed: int, index: int, resume: int) -> int:
@@ -258,6 +286,7 @@ async def resume(
         completion.policy_versions.extend(more.policy_versions)
         completion.finish_reason = more.finish_reason
         completion.error = more.error
+        completion.ClearField("text")  # the engine's text was the first piece's: decode the whole
         sample.engine_id = reply.engine_id
 
 
@@ -283,9 +312,12 @@ def _resume_request(
     )
 
 
-def _score_request(task: common_pb2.PromptTask, sample: Sample, text: str) -> reward_pb2.ScoreRequest:
+def _score_request(
+    task: common_pb2.PromptTask, sample: Sample, text: str, token_ids: bool
+) -> reward_pb2.ScoreRequest:
     """An episode is scored on its last turn's text; its whole response is the transcript. The
-    task's metadata (the row's ``data.metadata_fields``, its source's prompt id) comes along."""
+    task's metadata (the row's ``data.metadata_fields``, its source's prompt id) comes along, and
+    the token ids unless the verifier reads texts alone."""
     metadata = {**task.metadata, **sample.info}
     if sample.final_text is not None:
         metadata["transcript"] = text
@@ -295,8 +327,8 @@ def _score_request(task: common_pb2.PromptTask, sample: Sample, text: str) -> re
         prompt_id=task.prompt_id,
         prompt_text=task.prompt_text,
         response_text=text if sample.final_text is None else sample.final_text,
-        prompt_token_ids=task.prompt_token_ids,
-        response_token_ids=sample.completion.token_ids,
+        prompt_token_ids=task.prompt_token_ids if token_ids else None,
+        response_token_ids=sample.completion.token_ids if token_ids else None,
         answer=task.answer,
         verifier=task.verifier,
         metadata=metadata,
@@ -307,7 +339,8 @@ def _score_request(task: common_pb2.PromptTask, sample: Sample, text: str) -> re
 async def _score(
     task: common_pb2.PromptTask, samples: list[Sample], texts: list[str], clients: GroupClients
 ) -> list[reward_pb2.ScoreResponse]:
-    items = [_score_request(task, sample, text) for sample, text in zip(samples, texts, strict=True)]
+    token_ids = not await text_only(clients.reward, task.verifier)
+    items = [_score_request(task, s, text, token_ids) for s, text in zip(samples, texts, strict=True)]
     batch = reward_pb2.ScoreBatchRequest(items=items)
     reply = await call(
         "reward ScoreBatch",
@@ -319,6 +352,13 @@ async def _score(
             f"reward ScoreBatch returned {len(reply.results)} results for {len(items)} items"
         )
     return list(reply.results)
+
+
+async def text_only(reward: Any, verifier: str) -> bool:
+    """Whether the reward service says ``verifier`` reads texts alone (a coalescing client asks
+    it once); False for any other client."""
+    ask = getattr(reward, "text_only", None)
+    return bool(await ask(verifier)) if ask is not None else False
 
 
 def _trajectory(
@@ -335,11 +375,6 @@ def _trajectory(
         group_id=task.group_id,
         sample_index=completion.index,
         group_size=task.n_samples,
-        prompt_token_ids=task.prompt_token_ids,
-        response_token_ids=completion.token_ids,
-        behaviour_logprobs=completion.logprobs,
-        loss_mask=sample.loss_mask if sample.loss_mask is not None else [True] * len(completion.token_ids),
-        policy_versions=completion.policy_versions,
         reward=0.0 if error else score.reward,
         reward_components=score.components,
         reward_error=error,
@@ -353,5 +388,30 @@ def _trajectory(
             **sample.info,
         },
     )
+    # extend copies a message's repeated field in C; the constructor iterates it in Python
+    trajectory.prompt_token_ids.extend(task.prompt_token_ids)
+    trajectory.response_token_ids.extend(completion.token_ids)
+    trajectory.behaviour_logprobs.extend(completion.logprobs)
+    trajectory.policy_versions.extend(completion.policy_versions)
+    if sample.loss_mask is not None:
+        trajectory.loss_mask.extend(sample.loss_mask)
+    else:
+        set_all_true_mask(trajectory, len(completion.token_ids))
     trajectory.created_at.GetCurrentTime()
     return trajectory
+
+
+LOSS_MASK_KEY = bytes([common_pb2.Trajectory.LOSS_MASK_FIELD_NUMBER << 3 | 2])
+"""loss_mask's key in the wire format: a packed (length-delimited) field."""
+
+
+def set_all_true_mask(trajectory: common_pb2.Trajectory, tokens: int) -> None:
+    """Append ``tokens`` trues to ``loss_mask``, merged from their packed encoding: the model's
+    own tokens all count, and parsing them costs a fraction of converting as many Python bools."""
+    length, rest = bytearray(), tokens
+    while True:  # the payload's length as a base-128 varint
+        low, rest = rest & 0x7F, rest >> 7
+        length.append(low | (0x80 if rest else 0))
+        if not rest:
+            break
+    trajectory.MergeFromString(LOSS_MASK_KEY + bytes(length) + b"\x01" * tokens)

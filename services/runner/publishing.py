@@ -9,6 +9,7 @@ to be retried after it is reclaimed. The batching is a ``Coalescer`` (batching.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.bus import Bus, Delivery
@@ -30,11 +31,19 @@ class FinishedGroup:
 class GroupPublisher:
     """Publishes finished groups in batches and acks their tasks (consumer group ``group``)."""
 
-    def __init__(self, bus: Bus, group: str, *, window_s: float, max_calls: int) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        group: str,
+        *,
+        window_s: float,
+        max_calls: int,
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
         self.bus = bus
         self.group = group
         self._calls = Coalescer[FinishedGroup, None](
-            self._send, window_s=window_s, max_calls=max_calls, name="trajectory publish"
+            self._send, window_s=window_s, max_calls=max_calls, name="trajectory publish", observe=observe
         )
 
     async def publish_and_ack(

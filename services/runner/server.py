@@ -99,6 +99,9 @@ class Runner:
         self.metrics = metrics or RunnerMetrics()
         self.consumer = consumer_name("runner")
         self._slots = asyncio.Semaphore(settings.max_concurrent_groups)
+        self._busy = 0
+        """Slots held now: by tasks in flight, and by a loop about to read."""
+        self._observe_read = self.metrics.batch_observer("read")
         self._jobs: dict[str, JobLoop] = {}
         self._inflight: set[asyncio.Task[None]] = set()
         self._held: dict[str, set[str]] = {}
@@ -106,9 +109,14 @@ class Runner:
         self._channels = Channels()
         self._routers: dict[str, CoalescingRouter] = {}
         self._rewards: dict[str, CoalescingReward] = {}
+        self._tools: dict[str, reward_pb2_grpc.ToolsStub] = {}
         """One coalescing client per address, shared by every job's groups."""
         self._publisher = GroupPublisher(
-            bus, GROUP, window_s=settings.batch_window_s, max_calls=settings.batch_max_calls
+            bus,
+            GROUP,
+            window_s=settings.batch_window_s,
+            max_calls=settings.batch_max_calls,
+            observe=self.metrics.batch_observer("publish"),
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -171,25 +179,40 @@ class Runner:
         consumer = self._prompt_consumer(loop.record.job_id)
         await self._prepare(loop)
         while await self._take_slot(loop.stop):
+            await self._gather_slots()
             try:  # as many tasks as there are free slots (this one and those free now)
                 deliveries = await consumer.poll(count=1 + self._free_slots())
             except RedisOutageError:  # the client logs the outage: wait for Redis, quietly
-                self._slots.release()
+                self._release_slot()
                 await wait_until_up(self.bus.redis, loop.stop)
                 continue
             except Exception:
-                self._slots.release()
+                self._release_slot()
                 log.exception("%s: reading prompts failed; retrying", loop.record.job_id)
                 await asyncio.sleep(1.0)
                 continue
             if not deliveries:
-                self._slots.release()
+                self._release_slot()
                 continue
+            self._observe_read(len(deliveries))
             await self._start(loop, consumer, deliveries)
 
+    async def _gather_slots(self) -> None:
+        """Wait one batch window when other groups are in flight and few slots are free: groups
+        that finish together free their slots within it, and are then replaced by one read, whose
+        groups call the router and the reward service together again (batching.py). Without it a
+        busy runner reads one task per freed slot and its batches shrink to a group or two."""
+        if self._busy > 1 and self._free_slots() < self.settings.batch_max_calls:
+            await asyncio.sleep(self.settings.batch_window_s)
+
     def _free_slots(self) -> int:
-        """Slots no task holds now (an estimate: other jobs' loops may take them first)."""
-        return max(0, self.settings.max_concurrent_groups - len(self._inflight) - 1)
+        """Slots no task holds now, beside the one the reading loop holds (other jobs' loops may
+        take them first: the read's extra tasks wait for theirs)."""
+        return max(0, self.settings.max_concurrent_groups - self._busy)
+
+    def _release_slot(self) -> None:
+        self._busy -= 1
+        self._slots.release()
 
     async def _start(
         self,
@@ -210,7 +233,15 @@ class Runner:
             task.add_done_callback(self._inflight.discard)
 
     async def _take_slot(self, stop: asyncio.Event) -> bool:
-        """Wait for a free slot (True) or for ``stop`` (False, holding no slot)."""
+        """Wait for a free slot (True) or for ``stop`` (False, holding no slot). A free slot is
+        taken without yielding to the event loop, so that the tasks of one read start together
+        (and their calls go out in one batch)."""
+        if stop.is_set():
+            return False
+        if not self._slots.locked():
+            await self._slots.acquire()  # returns at once: a slot is free
+            self._busy += 1
+            return True
         acquiring = asyncio.ensure_future(self._slots.acquire())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -220,8 +251,9 @@ class Runner:
         await asyncio.wait({acquiring})
         if acquiring.cancelled():
             return False
+        self._busy += 1
         if stop.is_set():
-            self._slots.release()
+            self._release_slot()
             return False
         return True
 
@@ -268,7 +300,7 @@ class Runner:
         finally:
             self.metrics.in_flight.dec()
             held.discard(delivery.entry_id)
-            self._slots.release()
+            self._release_slot()
 
     async def _roll_out(self, loop: JobLoop, task: common_pb2.PromptTask) -> list[common_pb2.Trajectory]:
         """The task's group by the job's strategy, its rewards shaped; InvalidTaskError when the
@@ -313,9 +345,7 @@ class Runner:
             retry_s=self.settings.retry_s,
             max_resumes=self.settings.max_resumes,
             serving=lambda: not loop.stop.is_set(),
-            tools=reward_pb2_grpc.ToolsStub(
-                self._channels.get(self.settings.tools_address or reward_address)
-            ),
+            tools=self._tools_stub(self.settings.tools_address or reward_address),
             rollout=spec.rollout,
             chat_template_kwargs=spec.data.chat_template_kwargs,
         )
@@ -324,15 +354,27 @@ class Runner:
         if address not in self._routers:
             stub = router_pb2_grpc.RouterStub(self._channels.get(address))
             self._routers[address] = CoalescingRouter(
-                stub, window_s=self.settings.batch_window_s, max_calls=self.settings.batch_max_calls
+                stub,
+                window_s=self.settings.batch_window_s,
+                max_calls=self.settings.batch_max_calls,
+                observe=self.metrics.batch_observer("generate"),
             )
         return self._routers[address]
+
+    def _tools_stub(self, address: str) -> reward_pb2_grpc.ToolsStub:
+        """One stub per address: a stub builds a callable per method (a group's worth of work)."""
+        if address not in self._tools:
+            self._tools[address] = reward_pb2_grpc.ToolsStub(self._channels.get(address))
+        return self._tools[address]
 
     def _reward(self, address: str) -> CoalescingReward:
         if address not in self._rewards:
             stub = reward_pb2_grpc.RewardStub(self._channels.get(address))
             self._rewards[address] = CoalescingReward(
-                stub, window_s=self.settings.batch_window_s, max_calls=self.settings.batch_max_calls
+                stub,
+                window_s=self.settings.batch_window_s,
+                max_calls=self.settings.batch_max_calls,
+                observe=self.metrics.batch_observer("score"),
             )
         return self._rewards[address]
 

@@ -3,11 +3,15 @@ the groups in flight, and (with a ``BusLagCollector``) the lag of the prompts st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.bus_lag import BusLagCollector
 from services.common.metrics_http import LATENCY_BUCKETS
 from services.common.pb import common_pb2
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class RunnerMetrics:
@@ -40,6 +44,19 @@ class RunnerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.batch_groups = Histogram(
+            "verst_runner_batch_groups",
+            "Groups in one batch: a read of the prompts stream, a router GenerateBatch, a reward "
+            "ScoreBatch, a publish of trajectories.",
+            ["call"],
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+
+    def batch_observer(self, call: str) -> Callable[[int], None]:
+        """What a batching client tells the size of each of its batches (``call`` names it)."""
+        return self.batch_groups.labels(call).observe
 
     def watch(self, stream: str, group: str) -> None:
         if self.bus_lag is not None:

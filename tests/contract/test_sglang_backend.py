@@ -46,6 +46,7 @@ async def test_generate_stop_returns_tokens_logprobs_and_versions(fake, backend)
     assert list(completion.logprobs) == [-0.5, -1.25, -0.125]
     assert list(completion.policy_versions) == [3, 3, 3]  # meta_info.weight_version "3"
     assert (completion.index, completion.finish_reason, completion.error) == (0, STOP, "")
+    assert completion.text == "ab"  # SGLang's text (no special tokens) comes along for the runner
 
 
 async def test_generate_length_maps_sampling_and_version_spans(fake, fake_backend_seeded) -> None:

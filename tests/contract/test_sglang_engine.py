@@ -161,6 +161,7 @@ def test_output_ids_may_lack_a_trimmed_stop_token_and_versions_fall_back() -> No
     meta = {"finish_reason": {"type": "stop", "matched": 2}, "output_token_logprobs": pairs}
     completion = completion_from_output(0, {"output_ids": [5], "meta_info": meta}, 7, "http://s", "/generate")
     assert list(completion.token_ids) == [5, 2] and list(completion.policy_versions) == [7, 7]
+    assert not completion.HasField("text")  # no text from the server: the runner decodes
     bad_spans = {**meta, "weight_versions": [{"version": "1", "start": 1, "end": 2}], "weight_version": "2"}
     assert token_versions(bad_spans, 2, 7) == [2, 2]  # spans not from 0: use weight_version
 
@@ -206,6 +207,7 @@ async def test_rollout_service_over_sglang(fake, tmp_path) -> None:
     reply = await servicer.Generate(generate, FakeContext())
     assert (reply.request_id, reply.engine_id, reply.stats.completion_tokens) == ("req-stop", "engine-sg", 3)
     assert list(reply.completions[0].token_ids) == [21, 22, 2]
+    assert reply.completions[0].text == "ab"  # through the engine's Completion to the proto
     generate.job_id = "job-2"
     with pytest.raises(Aborted, match="not 'job-2'"):
         await servicer.Generate(generate, FakeContext())

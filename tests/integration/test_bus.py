@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from services.common.bus import DATA_FIELD, LATEST_SCAN, TYPE_FIELD, Bus, encode
+from services.common.bus import (
+    APPEND_CHUNK_BYTES,
+    DATA_FIELD,
+    LATEST_SCAN,
+    TYPE_FIELD,
+    Bus,
+    encode,
+    payload_chunks,
+)
 from services.common.consumer import StreamConsumer
 from services.common.pb import common_pb2
 from services.common.streams import JobStreams
@@ -167,6 +175,36 @@ async def test_per_stream_order_is_kept(bus: Bus) -> None:
     assert seen == [f"traj-{i}" for i in range(500)]
 
 
+async def test_publish_groups_appends_each_streams_groups_in_order_as_one_command(bus: Bus) -> None:
+    other = JobStreams("job-2").trajectories
+    groups = [
+        (STREAMS.trajectories, [trajectory(i) for i in range(0, 4)]),
+        (other, [trajectory(i) for i in range(100, 102)]),
+        (STREAMS.trajectories, [trajectory(i) for i in range(4, 8)]),
+    ]
+    await bus.redis.script_flush()  # a new Redis: the script is loaded on first use
+    first = await bus.publish_groups(groups)
+    second = await bus.publish_groups(groups[:1])  # loaded now
+    assert [len(ids) for ids in first] == [4, 2, 4] and len(second[0]) == 4
+    for stream, ids in ((STREAMS.trajectories, [*first[0], *first[2], *second[0]]), (other, first[1])):
+        entries = await bus.redis.xrange(stream)
+        assert [entry_id.decode() for entry_id, _ in entries] == ids
+        assert {fields[TYPE_FIELD] for _, fields in entries} == {b"verst.v1.Trajectory"}
+    messages = [common_pb2.Trajectory.FromString(f[DATA_FIELD]) for _, f in await bus.redis.xrange(other)]
+    assert messages == groups[1][1]
+
+
+async def test_publish_groups_fails_only_the_groups_of_a_stream_that_refused(bus: Bus) -> None:
+    await bus.redis.set("not-a-stream", "x")  # XADD to it fails: WRONGTYPE
+    outcomes = await bus.publish_groups(
+        [("not-a-stream", [trajectory(0)]), (STREAMS.trajectories, [trajectory(1)])]
+    )
+    assert isinstance(outcomes[0], Exception) and "WRONGTYPE" in str(outcomes[0])
+    assert isinstance(outcomes[1], list) and len(outcomes[1]) == 1
+    with pytest.raises(TypeError, match="one stream carries one type"):
+        await bus.publish_groups([(STREAMS.trajectories, [trajectory(2), handle(1)])])
+
+
 async def test_block_timeout_is_a_deadline(bus: Bus) -> None:
     await bus.ensure_group(STREAMS.prompts, GROUP)
     start = time.monotonic()
@@ -317,3 +355,23 @@ async def test_reclaim_follows_the_cursor_past_live_entries(bus: Bus) -> None:
     await bus.ack(stream, GROUP, [live[0].entry_id])
     assert await bus.owner(stream, GROUP, live[0].entry_id) is None
     assert await bus.touch(stream, GROUP, "live", [live[0].entry_id]) == []
+
+
+def test_payloads_are_cut_into_chunks_in_order() -> None:
+    big, small = b"b" * APPEND_CHUNK_BYTES, b"s" * (APPEND_CHUNK_BYTES // 3)
+    payloads = [small, small, small, small, big, small]
+    chunks = payload_chunks(payloads)
+    assert [b for chunk in chunks for b in chunk] == payloads
+    assert [len(chunk) for chunk in chunks] == [3, 1, 1, 1]  # a payload as big as a chunk alone
+    assert all(sum(map(len, chunk)) <= APPEND_CHUNK_BYTES for chunk in chunks)
+    assert payload_chunks([]) == []
+
+
+async def test_a_publish_larger_than_a_chunk_keeps_its_order(bus: Bus) -> None:
+    stream = STREAMS.trajectories
+    many = [common_pb2.Trajectory(id=f"t{i}", response_token_ids=[7] * 20_000) for i in range(60)]
+    await bus.redis.script_flush()
+    [ids] = await bus.publish_groups([(stream, many)])
+    entries = await bus.redis.xrange(stream)
+    assert [entry_id.decode() for entry_id, _ in entries] == ids
+    assert [common_pb2.Trajectory.FromString(f[DATA_FIELD]).id for _, f in entries] == [t.id for t in many]

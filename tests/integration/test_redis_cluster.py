@@ -114,6 +114,16 @@ async def test_publish_consume_ack_and_reclaim_on_every_shard(bus: Bus) -> None:
         assert await bus.trim_consumed(prompts) == 4
 
 
+async def test_publish_groups_of_jobs_on_every_shard_in_one_call(bus: Bus) -> None:
+    jobs = job_per_shard()
+    groups = [(JobStreams(job_id).prompts, [task(job_id, n) for n in range(3)]) for job_id in jobs]
+    outcomes = await bus.publish_groups(groups)  # one script call per stream, each on its shard
+    assert all(isinstance(ids, list) and len(ids) == 3 for ids in outcomes), outcomes
+    for job_id, ids in zip(jobs, outcomes, strict=True):
+        entries = await bus.redis.xrange(JobStreams(job_id).prompts)
+        assert [entry_id.decode() for entry_id, _ in entries] == ids
+
+
 async def test_bad_entries_are_dead_lettered_in_their_own_slot(bus: Bus) -> None:
     for job_id in job_per_shard():
         streams = JobStreams(job_id)

@@ -173,10 +173,14 @@ async def test_check_verifier_names_what_would_score(stub: reward_pb2_grpc.Rewar
 
     known = await stub.CheckVerifier(check("exact_match"), timeout=DEADLINE_S)
     assert (known.ok, known.error) == (True, "") and "sleepy" in known.verifiers
-    assert (await stub.CheckVerifier(check(""), timeout=DEADLINE_S)).ok, "empty is the default"
-    assert (await stub.CheckVerifier(check(PLUGIN), timeout=DEADLINE_S)).ok
+    assert known.text_only  # a registered verifier reads texts: the runner may leave ids out
+    default = await stub.CheckVerifier(check(""), timeout=DEADLINE_S)
+    assert default.ok and default.text_only, "empty is the default"
+    plugin = await stub.CheckVerifier(check(PLUGIN), timeout=DEADLINE_S)
+    assert plugin.ok and not plugin.text_only  # a plugin gets the whole request, token ids too
     unknown = await stub.CheckVerifier(check("nope"), timeout=DEADLINE_S)
-    assert not unknown.ok and unknown.error.startswith("unknown verifier 'nope'; known verifiers: ")
+    assert not unknown.ok and not unknown.text_only
+    assert unknown.error.startswith("unknown verifier 'nope'; known verifiers: ")
     missing = await stub.CheckVerifier(check("tests.no_such_module:score"), timeout=DEADLINE_S)
     assert not missing.ok and "cannot import 'tests.no_such_module'" in missing.error
     refused = await stub.CheckVerifier(check("os:system"), timeout=DEADLINE_S)

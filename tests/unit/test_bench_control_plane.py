@@ -17,6 +17,7 @@ from bench.engine_simulator import CannedSamples, SimulatedEngine
 from bench.trainer_simulator import Steps
 from services.common.bus import Delivery
 from services.common.pb import common_pb2, rollout_pb2
+from services.tasks.addition_model import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(r"^control-plane: engines=1 groups_per_s=(\d+) engines=2 groups_per_s=(\d+)$")
@@ -72,6 +73,9 @@ async def test_simulated_engine_answers_a_batch_in_order_and_fails_only_the_requ
     assert [len(c.token_ids) for c in last.completions] == [8, 8]  # the canned length
     assert {v for c in first.completions for v in c.policy_versions} == {2}
     assert {c.finish_reason for c in first.completions} == {common_pb2.FINISH_REASON_LENGTH}
+    tokenizer = build_char_tokenizer()  # builtin:addition's, which the benchmark's job uses
+    for c in [*first.completions, *last.completions]:  # the text is what the runner would decode
+        assert c.text == tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
     await engine.redis.aclose()
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15verst/v1/reward.proto\x12\x08verst.v1\"\xc8\x02\n\x0cScoreRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x15\n\rresponse_text\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x08 \x01(\t\x12\x10\n\x08verifier\x18\t \x01(\t\x12\x36\n\x08metadata\x18\n \x03(\x0b\x32$.verst.v1.ScoreRequest.MetadataEntry\x12\x11\n\tnum_turns\x18\x0b \x01(\x05\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x01\n\rScoreResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.verst.v1.ScoreResponse.ComponentsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12/\n\x04info\x18\x04 \x03(\x0b\x32!.verst.v1.ScoreResponse.InfoEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x11ScoreBatchRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.verst.v1.ScoreRequest\">\n\x12ScoreBatchResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.verst.v1.ScoreResponse\"(\n\x14\x43heckVerifierRequest\x12\x10\n\x08verifier\x18\x01 \x01(\t\"E\n\x15\x43heckVerifierResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tverifiers\x18\x03 \x03(\t\"n\n\x0e\x45xecuteRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x02\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"\x96\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06output\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x0e\n\x06wall_s\x18\x08 \x01(\x01\"M\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\x12\n\x10ListToolsRequest\"6\n\x11ListToolsResponse\x12!\n\x05tools\x18\x01 \x03(\x0b\x32\x12.verst.v1.ToolSpec2\xdd\x01\n\x06Reward\x12\x38\n\x05Score\x12\x16.verst.v1.ScoreRequest\x1a\x17.verst.v1.ScoreResponse\x12G\n\nScoreBatch\x12\x1b.verst.v1.ScoreBatchRequest\x1a\x1c.verst.v1.ScoreBatchResponse\x12P\n\rCheckVerifier\x12\x1e.verst.v1.CheckVerifierRequest\x1a\x1f.verst.v1.CheckVerifierResponse2\x8d\x01\n\x05Tools\x12>\n\x07\x45xecute\x12\x18.verst.v1.ExecuteRequest\x1a\x19.verst.v1.ExecuteResponse\x12\x44\n\tListTools\x12\x1a.verst.v1.ListToolsRequest\x1a\x1b.verst.v1.ListToolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15verst/v1/reward.proto\x12\x08verst.v1\"\xc8\x02\n\x0cScoreRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x15\n\rresponse_text\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x08 \x01(\t\x12\x10\n\x08verifier\x18\t \x01(\t\x12\x36\n\x08metadata\x18\n \x03(\x0b\x32$.verst.v1.ScoreRequest.MetadataEntry\x12\x11\n\tnum_turns\x18\x0b \x01(\x05\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x01\n\rScoreResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.verst.v1.ScoreResponse.ComponentsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12/\n\x04info\x18\x04 \x03(\x0b\x32!.verst.v1.ScoreResponse.InfoEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x11ScoreBatchRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.verst.v1.ScoreRequest\">\n\x12ScoreBatchResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.verst.v1.ScoreResponse\"(\n\x14\x43heckVerifierRequest\x12\x10\n\x08verifier\x18\x01 \x01(\t\"X\n\x15\x43heckVerifierResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tverifiers\x18\x03 \x03(\t\x12\x11\n\ttext_only\x18\x04 \x01(\x08\"n\n\x0e\x45xecuteRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x02\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\"\x96\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06output\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x0e\n\x06wall_s\x18\x08 \x01(\x01\"M\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\x12\n\x10ListToolsRequest\"6\n\x11ListToolsResponse\x12!\n\x05tools\x18\x01 \x03(\x0b\x32\x12.verst.v1.ToolSpec2\xdd\x01\n\x06Reward\x12\x38\n\x05Score\x12\x16.verst.v1.ScoreRequest\x1a\x17.verst.v1.ScoreResponse\x12G\n\nScoreBatch\x12\x1b.verst.v1.ScoreBatchRequest\x1a\x1c.verst.v1.ScoreBatchResponse\x12P\n\rCheckVerifier\x12\x1e.verst.v1.CheckVerifierRequest\x1a\x1f.verst.v1.CheckVerifierResponse2\x8d\x01\n\x05Tools\x12>\n\x07\x45xecute\x12\x18.verst.v1.ExecuteRequest\x1a\x19.verst.v1.ExecuteResponse\x12\x44\n\tListTools\x12\x1a.verst.v1.ListToolsRequest\x1a\x1b.verst.v1.ListToolsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,19 +55,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKVERIFIERREQUEST']._serialized_start=745
   _globals['_CHECKVERIFIERREQUEST']._serialized_end=785
   _globals['_CHECKVERIFIERRESPONSE']._serialized_start=787
-  _globals['_CHECKVERIFIERRESPONSE']._serialized_end=856
-  _globals['_EXECUTEREQUEST']._serialized_start=858
-  _globals['_EXECUTEREQUEST']._serialized_end=968
-  _globals['_EXECUTERESPONSE']._serialized_start=971
-  _globals['_EXECUTERESPONSE']._serialized_end=1121
-  _globals['_TOOLSPEC']._serialized_start=1123
-  _globals['_TOOLSPEC']._serialized_end=1200
-  _globals['_LISTTOOLSREQUEST']._serialized_start=1202
-  _globals['_LISTTOOLSREQUEST']._serialized_end=1220
-  _globals['_LISTTOOLSRESPONSE']._serialized_start=1222
-  _globals['_LISTTOOLSRESPONSE']._serialized_end=1276
-  _globals['_REWARD']._serialized_start=1279
-  _globals['_REWARD']._serialized_end=1500
-  _globals['_TOOLS']._serialized_start=1503
-  _globals['_TOOLS']._serialized_end=1644
+  _globals['_CHECKVERIFIERRESPONSE']._serialized_end=875
+  _globals['_EXECUTEREQUEST']._serialized_start=877
+  _globals['_EXECUTEREQUEST']._serialized_end=987
+  _globals['_EXECUTERESPONSE']._serialized_start=990
+  _globals['_EXECUTERESPONSE']._serialized_end=1140
+  _globals['_TOOLSPEC']._serialized_start=1142
+  _globals['_TOOLSPEC']._serialized_end=1219
+  _globals['_LISTTOOLSREQUEST']._serialized_start=1221
+  _globals['_LISTTOOLSREQUEST']._serialized_end=1239
+  _globals['_LISTTOOLSRESPONSE']._serialized_start=1241
+  _globals['_LISTTOOLSRESPONSE']._serialized_end=1295
+  _globals['_REWARD']._serialized_start=1298
+  _globals['_REWARD']._serialized_end=1519
+  _globals['_TOOLS']._serialized_start=1522
+  _globals['_TOOLS']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

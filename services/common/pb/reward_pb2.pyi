@@ -85,14 +85,16 @@ class CheckVerifierRequest(_message.Message):
     def __init__(self, verifier: _Optional[str] = ...) -> None: ...
 
 class CheckVerifierResponse(_message.Message):
-    __slots__ = ("ok", "error", "verifiers")
+    __slots__ = ("ok", "error", "verifiers", "text_only")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     VERIFIERS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_ONLY_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     verifiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., verifiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    text_only: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., verifiers: _Optional[_Iterable[str]] = ..., text_only: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("tool", "arguments_json", "session_id", "timeout_s", "call_id")

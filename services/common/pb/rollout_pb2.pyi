@@ -39,20 +39,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., min_policy_epoch: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "policy_versions", "finish_reason", "error")
+    __slots__ = ("index", "token_ids", "logprobs", "policy_versions", "finish_reason", "error", "text")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     policy_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     error: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    text: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "time_to_first_token_s", "total_s")

@@ -168,7 +168,7 @@ class SGLangEngine:
         for out in outputs:  # no time to first token: SGLang answers once, at the end
             completion = Completion(
                 out.index, list(out.token_ids), list(out.logprobs), list(out.policy_versions),
-                out.finish_reason, out.error,
+                out.finish_reason, out.error, out.text if out.HasField("text") else None,
             )  # fmt: skip
             request.on_completion(completion)
 

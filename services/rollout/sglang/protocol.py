@@ -124,6 +124,7 @@ def sampling_params(config: SamplingConfig, seed: int | None) -> dict[str, Any]:
         "max_new_tokens": config.max_new_tokens,
         "ignore_eos": config.ignore_eos,
         "no_stop_trim": True,
+        "skip_special_tokens": True,  # the text the runner reuses is decoded as it would decode
     }
     if config.stop_token_ids:
         params["stop_token_ids"] = sorted(config.stop_token_ids)
@@ -239,6 +240,7 @@ def completion_from_output(
     tokens, logprobs = _token_logprobs(meta, fail)
     _check_output_ids(output, tokens, fail)
     finish, error = _finish(meta, fail)
+    text = output.get("text")
     return rollout_pb2.Completion(
         index=index,
         token_ids=tokens,
@@ -246,4 +248,7 @@ def completion_from_output(
         policy_versions=token_versions(meta, len(tokens), fallback_version),
         finish_reason=finish,  # type: ignore[arg-type]
         error=error,
+        # SGLang's detokenizer decodes every output token without special tokens (no_stop_trim
+        # keeps a matched stop string), which is what the runner would decode: it is reused
+        text=text if isinstance(text, str) else None,
     )
