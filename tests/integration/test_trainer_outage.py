@@ -1,7 +1,8 @@
 """A real trainer process through Redis outages: Redis (with its append-only file) is SIGKILLed
-mid-job and started again on its port. After 60 s of downtime (within VERST_REDIS_OUTAGE_S) the
-job carries on in the same epoch where it stood and succeeds, every trajectory trained exactly
-once; with a 5 s bound, a 15 s outage fails the job with a reason that says so."""
+mid-job and started again on its port. After 20 s of downtime (within VERST_REDIS_OUTAGE_S, and
+past every trainer timeout it could run down) the job carries on in the same epoch where it stood
+and succeeds, every trajectory trained exactly once; with a 5 s bound, a 15 s outage fails the job
+with a reason that says so."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 PROMPTS_PER_STEP = 2
+DOWN_S = 20.0
+"""Longer than every clock the trainer keeps that Redis's absence runs down: its reclaim bounds
+(1 s in ``trainer_env``), the retries' 2 s backoff cap and the clients' 15 s health-check interval
+(services/common/redis_client.py); well within the 120 s VERST_REDIS_OUTAGE_S. Redis is killed,
+not hung, so calls fail at once and the 30 s socket timeout does not come into it."""
 
 
 @dataclass
@@ -98,17 +104,17 @@ def outage_log(output: str) -> list[str]:
     return [line for line in output.splitlines() if "services.common.outage" in line]
 
 
-async def test_a_job_survives_a_60_s_redis_outage_with_nothing_lost(harness: Harness) -> None:
-    bus, job_id, runs = harness.bus, "outage-60", harness.runs
+async def test_a_job_survives_a_long_redis_outage_with_nothing_lost(harness: Harness) -> None:
+    bus, job_id, runs = harness.bus, "outage-long", harness.runs
     async with harness.trainer():
         await submit(bus, job_id, harness.model_dir, runs, steps=STEPS, checkpoint_every_steps=3)
         produced = await harness.produce(job_id, 0, 4)  # the trainer has steps 3 and 4 to do when...
         before = await wait_for_checkpoint(bus, job_id, 2)
-        down_s = await harness.outage(60.0)  # ...Redis goes away
+        down_s = await harness.outage(DOWN_S)  # ...Redis goes away
         produced += await harness.produce(job_id, len(produced), STEPS - 4)
         status = await wait_for_status(bus, job_id)
         after = await bus.latest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
-    assert down_s >= 60.0
+    assert down_s >= DOWN_S
     assert (status.state, status.policy_version) == (common_pb2.JOB_STATE_SUCCEEDED, STEPS), harness.output
     assert after is not None and after.epoch == before.epoch, "the same epoch went on: not resumed"
     trained = lineage_trained_ids(runs / job_id)
