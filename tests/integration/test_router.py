@@ -125,7 +125,10 @@ async def wait_for_engines(router: RunningRouter, expected: set[str]) -> None:
     async def listed() -> bool:
         infos = await router.engines()
         ready = {i.engine_id for i in infos if i.state == common_pb2.ENGINE_STATE_SERVING}
-        return ready == expected and set(router.router.pool.engine_ids()) == expected
+        # The pool's own view too: it refreshes on its own clock, and picks by what it last read.
+        pooled = router.router.pool.view()
+        serving = {e for e, info in pooled.items() if info.state == common_pb2.ENGINE_STATE_SERVING}
+        return ready == expected and set(pooled) == expected and serving == expected
 
     await eventually(listed, what=f"the router to see {sorted(expected)}")
 

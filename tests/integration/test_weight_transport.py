@@ -44,6 +44,20 @@ def fallbacks(engine: RunningEngine) -> float:
     return registry.get_sample_value("verst_engine_weight_transport_fallbacks_total") or 0.0
 
 
+async def loads_come_to(engine: RunningEngine, distributed: int, filesystem: int, fallback: int) -> None:
+    """The engine's load counters reach these counts (a load is counted just after its version
+    is served, so a status read can see the version first)."""
+
+    async def counted() -> bool:
+        return (loads(engine, "distributed"), loads(engine, "filesystem"), fallbacks(engine)) == (
+            distributed,
+            filesystem,
+            fallback,
+        )
+
+    await eventually(counted, timeout_s=5, what=f"loads {(distributed, filesystem, fallback)}")
+
+
 def served_weights_equal_the_files(engine: RunningEngine, handle: common_pb2.CheckpointHandle) -> bool:
     loaded = engine.app.engine._loaded  # the worker is idle: nothing is generating
     assert loaded is not None
@@ -96,7 +110,7 @@ async def test_versions_come_over_the_group_and_a_failed_group_falls_back_to_the
             v1 = await train_one_step(bus, job_id, 0, directory(v0))
             assert list(v1.broadcast.engine_ids) == [ENGINE] and v1.broadcast.backend == "gloo"
             await engine.wait_for_version(1, timeout_s=30)
-            assert (loads(engine, "distributed"), loads(engine, "filesystem"), fallbacks(engine)) == (1, 1, 0)
+            await loads_come_to(engine, 1, 1, 0)
             assert served_weights_equal_the_files(engine, v1)
 
             # An engine the registry lists that never joins: the group cannot form by its deadline.
@@ -108,7 +122,7 @@ async def test_versions_come_over_the_group_and_a_failed_group_falls_back_to_the
             assert v2.broadcast.group_name != v1.broadcast.group_name
             await engine.wait_for_version(2, timeout_s=30)
             assert time.monotonic() - started >= DEADLINE_S * 0.9  # it waited for the round first
-            assert (loads(engine, "distributed"), loads(engine, "filesystem"), fallbacks(engine)) == (1, 2, 1)
+            await loads_come_to(engine, 1, 2, 1)
             assert served_weights_equal_the_files(engine, v2)
 
             # The ghost is gone: v3 forms a new group of the engine alone and comes over it.
@@ -117,7 +131,7 @@ async def test_versions_come_over_the_group_and_a_failed_group_falls_back_to_the
             assert list(v3.broadcast.engine_ids) == [ENGINE]
             assert v3.broadcast.group_name not in (v1.broadcast.group_name, v2.broadcast.group_name)
             await engine.wait_for_version(3, timeout_s=30)
-            assert (loads(engine, "distributed"), loads(engine, "filesystem"), fallbacks(engine)) == (2, 2, 1)
+            await loads_come_to(engine, 2, 2, 1)
             assert served_weights_equal_the_files(engine, v3)
 
             # Same members, no failure: v4 comes over the same group, which the engine kept.
@@ -125,7 +139,7 @@ async def test_versions_come_over_the_group_and_a_failed_group_falls_back_to_the
             v4 = await train_one_step(bus, job_id, 3, directory(v3))
             assert v4.broadcast.group_name == v3.broadcast.group_name
             await engine.wait_for_version(4, timeout_s=30)
-            assert (loads(engine, "distributed"), fallbacks(engine)) == (3, 1)
+            await loads_come_to(engine, 3, 2, 1)
             assert engine.app.receiver is not None and engine.app.receiver._group is joined
             assert served_weights_equal_the_files(engine, v4)
     finally:
