@@ -16,7 +16,8 @@ the builtin demo model and SmolLM2-135M-Instruct (see bench/engine_models.py):
   too; "HF plain" is the same generate without scores.
   Its time to first token is a whole generate with ``max_new_tokens=1`` at that batch.
 
-Temperature 1.0 sampling (top-p 1, top-k 0, min-p 0), fixed seeds, float32 on the CPU, the
+Temperature 1.0 sampling (top-p 1, top-k 0, min-p 0), fixed seeds, float32 on the CPU
+(``--dtype bfloat16``: both sides' weights and compute in bfloat16), the
 same torch thread count for both. Neither stops before ``--max-new-tokens``: the engine gets
 ``ignore_eos``; the baseline model's generation config has no EOS id. Before the timed cases a
 greedy cross-check compares the two (same tokens, logprobs within float error).
@@ -51,6 +52,9 @@ NOTES_MARKER = (
 )
 MAX_REPEAT = 25
 """Most timed repeats of a case that --min-seconds may ask for."""
+GREEDY_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
+"""The largest logprob difference of the greedy cross-check not warned of, per dtype: the two
+sides sum in other orders, and bfloat16 keeps 8 bits of mantissa."""
 T = TypeVar("T")
 DESCRIPTION = """
 Generated tokens/s of the torch rollout engine ("verst": `TorchEngine`, driven in-process as the
@@ -93,6 +97,8 @@ class Settings:
     seed: int
     compile: tuple[str, ...]
     """Models whose engine runs with compile_decode."""
+    dtype: str = "float32"
+    """Both sides' weights and compute: float32 or bfloat16."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +258,13 @@ class ModelReport:
 def measure_model(name: str, batches: Sequence[int], cfg: Settings) -> tuple[ModelReport, list[Case]]:
     model = MODELS[name](max(batches))
     print(f"{model.name}: {model.path}", flush=True)
-    engine = EngineSide(model.path, compile_decode=name in cfg.compile)
-    hf = HfProcess(model.path, cfg.threads)
+    dtype = getattr(torch, cfg.dtype)
+    engine = EngineSide(model.path, compile_decode=name in cfg.compile, dtype=dtype)
+    hf = HfProcess(model.path, cfg.threads, dtype)
     try:
-        check = greedy_check(engine, hf, model.prompts[: min(4, max(batches))], new_tokens=16)
+        prompts = model.prompts[: min(4, max(batches))]
+        tolerance = GREEDY_TOLERANCE[cfg.dtype]
+        check = greedy_check(engine, hf, prompts, new_tokens=16, tolerance=tolerance)
         print(f"  greedy cross-check: {check}", flush=True)
         cases = [measure_case(engine, hf, model, batch, cfg) for batch in batches]
         report = ModelReport(model, hf.parameters(), hf.shape(), check, engine.worker_threads)
@@ -347,6 +356,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1234, help="base seed (%(default)s)")
     parser.add_argument(
+        "--dtype", choices=tuple(GREEDY_TOLERANCE), default="float32", help="both sides' (%(default)s)"
+    )
+    parser.add_argument(
         "--compile",
         default="demo",
         help="models whose engine compiles its decode step (compile_decode; 'none' for none) (%(default)s)",
@@ -386,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = Settings(**{name: getattr(args, name) for name in Settings.__dataclass_fields__})
     torch.set_num_threads(cfg.threads)
-    host = machine_info()
+    host = machine_info(cfg.dtype)
     for key, value in host.items():
         print(f"{key:>12}: {value}")
     reports, cases = [], []

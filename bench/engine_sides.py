@@ -55,10 +55,12 @@ def sampling_configs(batch: int, new_tokens: int, *, seed: int, greedy: bool) ->
 class EngineSide:
     """A TorchEngine on the CPU serving one model directory, driven in-process."""
 
-    def __init__(self, path: Path, *, compile_decode: bool = False) -> None:
+    def __init__(
+        self, path: Path, *, compile_decode: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.engine = TorchEngine(
             device=CPU,
-            dtype=torch.float32,
+            dtype=dtype,
             max_batch_size=1,
             batch_wait_s=BATCH_WAIT_S,
             compile_decode=compile_decode,
@@ -121,10 +123,10 @@ class EngineSide:
 class HfSide:
     """The same model directory under transformers' generate."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(CPU).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(CPU).eval()
         # The engine's ignore_eos: without an EOS id, generate stops at max_new_tokens only.
         self.model.generation_config.eos_token_id = None
         pad = self.model.config.pad_token_id
@@ -193,10 +195,10 @@ class HfSide:
         return seconds
 
 
-def _serve_hf(conn: Connection, path: Path, threads: int) -> None:
+def _serve_hf(conn: Connection, path: Path, threads: int, dtype: torch.dtype) -> None:
     """The child of HfProcess: an HfSide answering (method, args, kwargs) calls until None."""
     torch.set_num_threads(threads)
-    side = HfSide(path)
+    side = HfSide(path, dtype)
     while (call := conn.recv()) is not None:
         method, args, kwargs = call
         try:
@@ -213,10 +215,10 @@ class HfProcess:
     1.5 to 2x slower, which no deployment sees (an engine process runs nothing else).
     """
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, dtype: torch.dtype = torch.float32) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve_hf, args=(child, path, threads), daemon=True)
+        self._process = context.Process(target=_serve_hf, args=(child, path, threads, dtype), daemon=True)
         self._process.start()
         child.close()
         self.pad = self._call("__getattribute__", "pad")
@@ -260,9 +262,14 @@ class HfProcess:
 
 
 def greedy_check(
-    engine: EngineSide, hf: HfSide | HfProcess, prompts: Sequence[list[int]], new_tokens: int
+    engine: EngineSide,
+    hf: HfSide | HfProcess,
+    prompts: Sequence[list[int]],
+    new_tokens: int,
+    tolerance: float = 1e-3,
 ) -> str:
-    """Greedy tokens and logprobs of both sides on a small batch, compared."""
+    """Greedy tokens and logprobs of both sides on a small batch, compared (a difference in
+    logprobs above ``tolerance`` is warned of: float32's error is far below 1e-3, bfloat16's not)."""
     _, completions, _ = engine.generate(
         prompts, sampling_configs(len(prompts), new_tokens, seed=0, greedy=True)
     )
@@ -275,7 +282,7 @@ def greedy_check(
         for c, row in zip(completions, logprobs.tolist(), strict=True)
         for a, b in zip(c.logprobs, row, strict=True)
     )
-    if same < len(prompts) or not gap < 1e-3:
+    if same < len(prompts) or not gap < tolerance:
         print(
             f"  warning: greedy outputs differ between the engine and HF ({same}/{len(prompts)} rows equal)"
         )
@@ -285,7 +292,7 @@ def greedy_check(
     )
 
 
-def machine_info() -> dict[str, str]:
+def machine_info(dtype: str = "float32") -> dict[str, str]:
     """What the figures depend on: CPU, memory, Python, torch and transformers."""
     model = _cpuinfo("model name") or platform.processor() or "?"
     backend = next(
@@ -304,7 +311,7 @@ def machine_info() -> dict[str, str]:
         "torch": f"{torch.__version__} (parallel backend {backend}, MKL {torch.backends.mkl.is_available()},"
         f" oneDNN {torch.backends.mkldnn.is_available()})",
         "transformers": transformers.__version__,
-        "device, dtype": "cpu, float32",
+        "device, dtype": f"cpu, {dtype}",
     }
 
 
