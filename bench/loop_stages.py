@@ -193,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip", type=int, default=3, help="first steps left out (%(default)s)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment of the services (repeatable)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the job's compute precision (bench/e2e.py's --dtype)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="the job's compute precision (bench/e2e.py's --dtype; the task's)")  # fmt: skip
     parser.add_argument("--max-staleness", type=int, default=1, help="the job's algorithm.max_staleness (1)")
     parser.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
     parser.add_argument("--no-results", action="store_true", help="leave the results file alone")
@@ -202,7 +202,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     env = dict(item.split("=", 1) for item in args.env)
     before = CpuSample.now("")
     with tempfile.TemporaryDirectory(prefix="verst-stages-") as scratch:
-        job = run_job(args.task, args.steps, env, Path(scratch), args.dtype, args.max_staleness)
+        from bench.e2e_tasks import get_bench_task
+
+        dtype = args.dtype or get_bench_task(args.task).dtype
+        job = run_job(args.task, args.steps, env, Path(scratch), dtype, args.max_staleness)
     entries, state, cpu = job
     load = CpuSample.now("").other_cores_since(before)
     medians, wall, counted = stage_medians(entries, args.skip)
