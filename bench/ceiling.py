@@ -200,8 +200,7 @@ def measure(args: argparse.Namespace) -> tuple[list[float], list[Floor]]:
     from bench.e2e_tasks import get_bench_task
 
     task = get_bench_task(args.task)
-    dtype = args.dtype or task.dtype
-    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=args.seed, dtype=dtype,
+    hp = Hyper(task=task.name, model_dir=str(task.model_dir()), seed=args.seed, dtype=args.dtype,
                **{**task.hyper, "max_steps": args.trl_steps, "eval_every": args.trl_steps})  # fmt: skip
     per_step = int(hp.prompts_per_step)
     rounds = args.repeat * args.verst_rounds + 1
@@ -260,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--trl-steps must be >= 3 (step 1 is warm-up), --repeat and --verst-rounds >= 1")
     from bench.e2e_tasks import get_bench_task
 
-    for key, value in machine_info(args.dtype or get_bench_task(args.task).dtype).items():
+    args.dtype = args.dtype or get_bench_task(args.task).dtype
+    for key, value in machine_info(args.dtype).items():
         print(f"{key:>8}: {value}")
     trl, floors = measure(args)
     engine = statistics.median(f.engine_s for f in floors)

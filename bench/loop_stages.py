@@ -201,10 +201,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     before = CpuSample.now("")
-    with tempfile.TemporaryDirectory(prefix="verst-stages-") as scratch:
-        from bench.e2e_tasks import get_bench_task
+    from bench.e2e_tasks import get_bench_task
 
-        dtype = args.dtype or get_bench_task(args.task).dtype
+    dtype = args.dtype or get_bench_task(args.task).dtype
+    with tempfile.TemporaryDirectory(prefix="verst-stages-") as scratch:
         job = run_job(args.task, args.steps, env, Path(scratch), dtype, args.max_staleness)
     entries, state, cpu = job
     load = CpuSample.now("").other_cores_since(before)
