@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -43,16 +44,31 @@ class SharedReads:
 
     Each ``read`` joins the next round: a round reads every stream with a reader waiting, blocks
     ``block_ms`` at most, and hands each of them its entries (maybe none); a reader that comes
-    during a round waits for the next, so a read returns within about two ``block_ms``. A round's
-    task runs while readers wait and ends when none does."""
+    during a round waits for the next, so a read returns within about two ``block_ms``. Before
+    each round the readers of the last one get ``rejoin_ms`` to come back (they handle what they
+    got, then read again): otherwise the first back would start a round without the others, and
+    an entry for one of those (a job's next checkpoint) would wait out that round's block. A
+    round's task runs while readers wait and ends when none does."""
 
-    def __init__(self, bus: Bus, group: str, consumer: str, *, block_ms: int = 500, count: int = 100) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        group: str,
+        consumer: str,
+        *,
+        block_ms: int = 500,
+        count: int = 100,
+        rejoin_ms: int = 50,
+    ) -> None:
         self.bus = bus
         self.group = group
         self.consumer = consumer
         self.block_ms = block_ms
         self.count = count
+        self.rejoin_ms = rejoin_ms
         self._waiting: dict[str, _Waiter] = {}
+        self._joined = asyncio.Event()
+        """Set by every reader that joins; the rounds clear it while they wait for readers."""
         self._rounds: asyncio.Task[None] | None = None
 
     async def read(self, stream: str, message_type: type[M]) -> list[Delivery[M]]:
@@ -64,6 +80,7 @@ class SharedReads:
             )
         waiter = _Waiter(message_type, asyncio.get_running_loop().create_future())
         self._waiting[stream] = waiter
+        self._joined.set()
         if self._rounds is None or self._rounds.done():
             self._rounds = asyncio.create_task(self._run(), name=f"shared reads of {self.group}")
         try:
@@ -73,12 +90,28 @@ class SharedReads:
                 del self._waiting[stream]
 
     async def _run(self) -> None:
+        last: frozenset[str] = frozenset()
         while self._waiting:
+            await self._rejoin(last)
             batch = {stream: waiter for stream, waiter in self._waiting.items() if not waiter.future.done()}
             if not batch:
                 await asyncio.sleep(0)  # their readers have not resumed yet
                 continue
             await self._round(batch)
+            last = frozenset(batch)
+
+    async def _rejoin(self, streams: frozenset[str]) -> None:
+        """Wait until the readers of ``streams`` are back, or ``rejoin_ms`` has passed (a reader
+        that has left for good costs one such wait)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rejoin_ms / 1000
+        while not all(s in self._waiting and not self._waiting[s].future.done() for s in streams):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._joined.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._joined.wait(), left)
 
     async def _round(self, batch: dict[str, _Waiter]) -> None:
         """One XREADGROUP for the batch; when the server refuses it (a stream lost its group), each

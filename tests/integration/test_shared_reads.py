@@ -106,3 +106,37 @@ async def test_a_second_reader_of_one_stream_reads_on_its_own(bus: Bus) -> None:
         reads.read(stream, common_pb2.JobStatus), reads.read(stream, common_pb2.JobStatus)
     )
     assert sorted([len(first), len(second)]) == [0, 1], "the entry went to exactly one of them"
+
+
+async def test_a_reader_back_from_handling_its_entry_is_in_the_next_round(bus: Bus) -> None:
+    """A job's checkpoint follower handles its entry (a few ms) while the other followers are back
+    at once: the next round waits for it, so its next entry is read as it comes, not after a
+    round of the others' blocks out (which held the controller's pacing ~0.1 s a step)."""
+    reads = SharedReads(bus, GROUP, "controller-1", block_ms=2000)
+    slow, quick = JobStreams("job-1").checkpoints, JobStreams("job-1").control
+    for stream in (slow, quick):
+        await bus.ensure_group(stream, GROUP)
+    stop = asyncio.Event()
+
+    async def quick_follower() -> None:
+        while not stop.is_set():
+            await reads.read(quick, common_pb2.JobStatus)
+
+    follower = asyncio.create_task(quick_follower())
+    try:
+        await asyncio.sleep(0.05)
+        reader = asyncio.create_task(reads.read(slow, common_pb2.JobStatus))
+        await asyncio.sleep(0.05)
+        first = await bus.publish(slow, status("job-1"))
+        assert [d.entry_id for d in await asyncio.wait_for(reader, 5)] == [first]
+        await asyncio.sleep(0.02)  # handling it: the quick follower is back first
+        reader = asyncio.create_task(reads.read(slow, common_pb2.JobStatus))
+        await asyncio.sleep(0.1)
+        published = time.monotonic()
+        second = await bus.publish(slow, status("job-1"))
+        assert [d.entry_id for d in await asyncio.wait_for(reader, 5)] == [second]
+        assert time.monotonic() - published < 0.5, "the entry waited out a round it was not in"
+    finally:
+        stop.set()
+        await bus.publish(quick, status("job-1"))
+        await asyncio.wait_for(follower, 5)
