@@ -49,6 +49,9 @@ class ControllerSettings(RolloutClientSettings):
     eval_attempts: int = Field(3, ge=1, le=20)
     """Attempts of each evaluation call (Generate, ScoreBatch) whose engine, router or reward
     service failed or went away; a retried Generate waits for an engine that serves the version."""
+    eval_retry_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """After its eval_attempts, such a call is made again while this long has not passed since its
+    first attempt: a killed engine's successor takes seconds to load and serve the version."""
     reclaim_idle_ms: int = Field(5000, ge=100, le=86_400_000)
     """Controller stream entries left unacked this long by a dead controller are taken over."""
     repeated_failures: int = Field(16, ge=2, le=1_000_000)

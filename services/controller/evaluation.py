@@ -18,10 +18,10 @@ tokens, as the engines report them (``served_version``, also the row's step; the
 that actually answered, never the one the controller expected.
 
 A call whose engine, router or reward service failed or went away (``RETRYABLE``) is made
-again, ``attempts`` times in all, after a pause that doubles and, for a Generate, once an
-engine serves the version again: the router sends it to a live engine, another one when the
-first died. Only when every attempt failed is the evaluation lost (an EvalError, which the
-controller logs and counts).
+again, ``attempts`` times in all and then for up to ``retry_s`` from its first attempt, after a
+pause that doubles and, for a Generate, once an engine serves the version again: the router sends
+it to a live engine, another one when the first died. Only when every attempt failed is the
+evaluation lost (an EvalError, which the controller logs and counts).
 
 The evaluations of one job, as its driver schedules them (``JobEvals``): each version once, the
 results on the job's metrics stream (source ``eval``), every outcome counted. An evaluation that
@@ -79,6 +79,8 @@ RETRYABLE = frozenset(
 """Codes of a call that may succeed elsewhere or later: the peer died, hung, restarted or was busy."""
 RETRY_PAUSE_S = 0.5
 """The pause before the second attempt of a call; it doubles with each further one."""
+RETRY_PAUSE_MAX_S = 2.0
+"""The longest pause between two attempts of a call."""
 ENGINE_POLL_S = 0.2
 """How often the router is asked which versions its engines serve."""
 LIST_ENGINES_TIMEOUT_S = 5.0
@@ -169,6 +171,7 @@ class Evaluator:
         *,
         concurrency: int,
         attempts: int = 3,
+        retry_s: float = 0.0,
         engine_timeout_s: float = 300.0,
     ) -> None:
         self.router = router
@@ -177,6 +180,10 @@ class Evaluator:
         self.job_id = job_id
         self.concurrency = concurrency
         self.attempts = attempts
+        self.retry_s = retry_s
+        """After its ``attempts``, a failed call is made again while this long has not passed since
+        its first attempt: an engine that was killed takes seconds to come back, and the router
+        lists it as live until its heartbeat is older than the ttl."""
         self.engine_timeout_s = engine_timeout_s
         """How long a retry of a Generate waits for an engine to serve the version again."""
         self.retries = 0
@@ -343,23 +350,27 @@ class Evaluator:
         return list(reply.results)
 
     async def _call(self, what: str, call: Callable[[int], Awaitable[T]], version: int | None = None) -> T:
-        """``call(attempt number)``, made again after a RETRYABLE failure, ``attempts`` times in
-        all; before each retry a doubling pause and (``version``) an engine serving it."""
-        for number in range(1, self.attempts):
+        """``call(attempt number)``, made again after a RETRYABLE failure: ``attempts`` times in
+        all, and then while ``retry_s`` has not passed since the first attempt; before each retry
+        a doubling pause (at most RETRY_PAUSE_MAX_S) and (``version``) an engine serving it."""
+        until = time.monotonic() + self.retry_s
+        number = 1
+        while True:
             try:
                 return await call(number)
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE:
+                if err.code() not in RETRYABLE or (number >= self.attempts and time.monotonic() >= until):
                     raise
                 self.retries += 1
                 log.warning(
-                    "%s: %s failed (%s: %s); trying again (attempt %d of %d)",
+                    "%s: %s failed (%s: %s); trying again (attempt %d, at least %d, for up to %.0f s)",
                     *(self.job_id, what, err.code().name, err.details(), number + 1, self.attempts),
+                    self.retry_s,
                 )
-            await asyncio.sleep(RETRY_PAUSE_S * 2 ** (number - 1))
+            await asyncio.sleep(min(RETRY_PAUSE_MAX_S, RETRY_PAUSE_S * 2 ** (number - 1)))
             if version is not None:
                 await self.wait_for_version(version, self.engine_timeout_s)
-        return await call(self.attempts)
+            number += 1
 
 
 # --- the evaluations of one job ------------------------------------------------------------------
@@ -480,6 +491,7 @@ class JobEvals:
             self.job_id,
             concurrency=settings.eval_concurrency,
             attempts=settings.eval_attempts,
+            retry_s=settings.eval_retry_s,
             engine_timeout_s=settings.eval_engine_timeout_s,
         )
         try:

@@ -123,7 +123,11 @@ def knowing(router: FakeRouter) -> FakeRouter:
 
 
 async def evaluator(
-    router_address: str, reward_address: str, attempts: int = 3, job_spec: JobSpec | None = None
+    router_address: str,
+    reward_address: str,
+    attempts: int = 3,
+    job_spec: JobSpec | None = None,
+    retry_s: float = 0.0,
 ) -> Evaluator:
     return Evaluator(
         router_pb2_grpc.RouterStub(channel(router_address)),
@@ -132,6 +136,7 @@ async def evaluator(
         JOB,
         concurrency=4,
         attempts=attempts,
+        retry_s=retry_s,
         engine_timeout_s=10.0,
     )
 
@@ -209,6 +214,23 @@ async def test_an_evaluation_is_lost_only_after_every_attempt_failed(
     finally:
         await server.stop(None)
     assert max(router.attempts.values()) == 2, "bounded: two attempts per call"
+
+
+async def test_a_call_is_made_again_past_its_attempts_while_its_retry_time_lasts(
+    tokenizer: Any, reward: tuple[FakeReward, str]
+) -> None:
+    """An engine killed mid-evaluation takes seconds to come back, longer than two attempts'
+    pause: within ``retry_s`` the call goes on being made, so the evaluation is not lost."""
+    router = knowing(DyingEngineRouter(tokenizer, dying=3))
+    server, address = await serve(lambda s: router_pb2_grpc.add_RouterServicer_to_server(router, s))
+    try:
+        evaluation = await evaluator(address, reward[1], attempts=2, retry_s=30.0)
+        result = await evaluation.evaluate(3, default_set(tokenizer), tokenizer)
+    finally:
+        await server.stop(None)
+    scores = result.sets[DEFAULT_EVAL_SET]
+    assert (scores.accuracy, scores.errors) == (1.0, 0)
+    assert set(router.attempts.values()) == {4}, "two attempts, then two more within retry_s"
 
 
 class ChatRouter(FakeRouter):
