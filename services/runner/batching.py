@@ -20,6 +20,7 @@ so that no group is dead-lettered for another's fault.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ SHARED_FAILURES = frozenset(
 )
 """Failures of a whole batch that are every member's (the service, the link or the time): the
 other codes send the members again one by one."""
+HEAP_SWEEP_AT = 4096
+"""Watched deadlines past which answered calls are swept from the heap (then every as many more)."""
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 CHECK_TIMEOUT_S = 10.0
 """Deadline of the CheckVerifier that tells whether a verifier needs token ids."""
@@ -68,6 +71,48 @@ class _Call(Generic[T, R]):
     future: asyncio.Future[R]
 
 
+class _Deadlines:
+    """Fails each watched call's future with DEADLINE_EXCEEDED once its deadline passes, on one
+    timer for them all: the calls of a batch mostly share their timeout, and a timer (or an
+    ``asyncio.wait_for``) per call cost the runner more than its calls' batching saved."""
+
+    def __init__(self, details: str) -> None:
+        self.details = details
+        self._heap: list[tuple[float, int, _Call[Any, Any]]] = []
+        self._count = 0
+        """Calls watched so far: ties in the heap by order of arrival."""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, call: _Call[Any, Any], loop: asyncio.AbstractEventLoop) -> None:
+        assert call.deadline is not None
+        if len(self._heap) >= HEAP_SWEEP_AT and len(self._heap) % HEAP_SWEEP_AT == 0:
+            self._sweep()  # answered calls stay in the heap until then: bound it
+        self._count += 1
+        heapq.heappush(self._heap, (call.deadline, self._count, call))
+        if self._timer is None or call.deadline < self._timer.when():
+            self._arm(loop)
+
+    def _sweep(self) -> None:
+        self._heap = [entry for entry in self._heap if not entry[2].future.done()]
+        heapq.heapify(self._heap)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        while self._heap and self._heap[0][2].future.done():
+            heapq.heappop(self._heap)
+        self._timer = loop.call_at(self._heap[0][0], self._expire, loop) if self._heap else None
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        while self._heap and self._heap[0][0] <= now:
+            call = heapq.heappop(self._heap)[2]
+            if not call.future.done():
+                call.future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, self.details))
+        self._arm(loop)
+
+
 class Coalescer(Generic[T, R]):
     """Queues calls and sends them together through ``send``."""
 
@@ -91,20 +136,21 @@ class Coalescer(Generic[T, R]):
         self._last_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
+        self._deadlines = _Deadlines(f"{name}: deadline exceeded")
 
     async def call(self, item: T, timeout: float | None) -> R:
         """``item``'s result, or its failure raised; DEADLINE_EXCEEDED after ``timeout``."""
         loop = asyncio.get_running_loop()
         queued = _Call[T, R](item, None if timeout is None else loop.time() + timeout, loop.create_future())
         self._queue.append(queued)
+        if queued.deadline is not None:
+            self._deadlines.watch(queued, loop)
         if len(self._queue) >= self.max_calls:
             self._flush()
         else:
             self._schedule(loop)
         try:
-            return await asyncio.wait_for(queued.future, timeout)  # cancels the future on timeout
-        except TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: deadline exceeded") from None
+            return await queued.future
         finally:
             if queued in self._queue:  # its caller left before it was sent: send nothing
                 self._queue.remove(queued)

@@ -235,11 +235,8 @@ async def finish_group(
     generated = time.time()
     texts = response_texts(samples, clients.tokenizer)
     scores = await _score(task, samples, texts, clients)
-    stages = common_pb2.StageTimes(generated=generated, scored=time.time())
-    trajectories = [_trajectory(task, sample, score) for sample, score in zip(samples, scores, strict=True)]
-    for trajectory in trajectories:
-        trajectory.stages.CopyFrom(stages)
-    return trajectories
+    template = _group_template(task, common_pb2.StageTimes(generated=generated, scored=time.time()))
+    return [_trajectory(template, sample, score) for sample, score in zip(samples, scores, strict=True)]
 
 
 def response_texts(samples: list[Sample], tokenizer: Any) -> list[str]:
@@ -312,35 +309,47 @@ def _resume_request(
     )
 
 
-def _score_request(
-    task: common_pb2.PromptTask, sample: Sample, text: str, token_ids: bool
-) -> reward_pb2.ScoreRequest:
-    """An episode is scored on its last turn's text; its whole response is the transcript. The
-    task's metadata (the row's ``data.metadata_fields``, its source's prompt id) comes along, and
-    the token ids unless the verifier reads texts alone."""
-    metadata = {**task.metadata, **sample.info}
-    if sample.final_text is not None:
-        metadata["transcript"] = text
-    return reward_pb2.ScoreRequest(
-        trajectory_id=f"{task.prompt_id}:{sample.completion.index}",
+def _score_template(task: common_pb2.PromptTask, token_ids: bool) -> reward_pb2.ScoreRequest:
+    """What every ScoreRequest of the group shares: the task's prompt, answer, verifier and
+    metadata (the row's ``data.metadata_fields``, its source's prompt id), and its prompt's ids
+    unless the verifier reads texts alone."""
+    template = reward_pb2.ScoreRequest(
         job_id=task.job_id,
         prompt_id=task.prompt_id,
         prompt_text=task.prompt_text,
-        response_text=text if sample.final_text is None else sample.final_text,
-        prompt_token_ids=task.prompt_token_ids if token_ids else None,
-        response_token_ids=sample.completion.token_ids if token_ids else None,
         answer=task.answer,
         verifier=task.verifier,
-        metadata=metadata,
-        num_turns=sample.num_turns,
+        metadata=task.metadata,
     )
+    if token_ids:
+        template.prompt_token_ids.extend(task.prompt_token_ids)
+    return template
+
+
+def _score_request(
+    template: reward_pb2.ScoreRequest, sample: Sample, text: str, token_ids: bool
+) -> reward_pb2.ScoreRequest:
+    """An episode is scored on its last turn's text; its whole response is the transcript."""
+    request = reward_pb2.ScoreRequest()
+    request.CopyFrom(template)
+    request.trajectory_id = f"{template.prompt_id}:{sample.completion.index}"
+    request.response_text = text if sample.final_text is None else sample.final_text
+    request.num_turns = sample.num_turns
+    if token_ids:
+        request.response_token_ids.extend(sample.completion.token_ids)
+    if sample.info:
+        request.metadata.update(sample.info)
+    if sample.final_text is not None:
+        request.metadata["transcript"] = text
+    return request
 
 
 async def _score(
     task: common_pb2.PromptTask, samples: list[Sample], texts: list[str], clients: GroupClients
 ) -> list[reward_pb2.ScoreResponse]:
     token_ids = not await text_only(clients.reward, task.verifier)
-    items = [_score_request(task, s, text, token_ids) for s, text in zip(samples, texts, strict=True)]
+    template = _score_template(task, token_ids)
+    items = [_score_request(template, s, text, token_ids) for s, text in zip(samples, texts, strict=True)]
     batch = reward_pb2.ScoreBatchRequest(items=items)
     reply = await call(
         "reward ScoreBatch",
@@ -361,35 +370,47 @@ async def text_only(reward: Any, verifier: str) -> bool:
     return bool(await ask(verifier)) if ask is not None else False
 
 
+def _group_template(task: common_pb2.PromptTask, stages: common_pb2.StageTimes) -> common_pb2.Trajectory:
+    """What every Trajectory of the group shares: each sample's is a copy (one C call) with its
+    own fields set, rather than the task's fields and prompt converted again eight times."""
+    template = common_pb2.Trajectory(
+        job_id=task.job_id,
+        prompt_id=task.prompt_id,
+        group_id=task.group_id,
+        group_size=task.n_samples,
+        split=task.split or common_pb2.SPLIT_TRAIN,
+        stages=stages,
+    )
+    # extend copies a message's repeated field in C; the constructor iterates it in Python
+    template.prompt_token_ids.extend(task.prompt_token_ids)
+    template.metadata["task_policy_version"] = str(task.policy_version)
+    seconds, nanos = divmod(time.time_ns(), 1_000_000_000)
+    template.created_at.seconds, template.created_at.nanos = seconds, nanos
+    return template
+
+
 def _trajectory(
-    task: common_pb2.PromptTask,
+    template: common_pb2.Trajectory,
     sample: Sample,
     score: reward_pb2.ScoreResponse,
 ) -> common_pb2.Trajectory:
     completion = sample.completion
     error = f"generation failed: {completion.error}" if completion.error else score.error
-    trajectory = common_pb2.Trajectory(
-        id=f"{task.prompt_id}:{completion.index}",
-        job_id=task.job_id,
-        prompt_id=task.prompt_id,
-        group_id=task.group_id,
-        sample_index=completion.index,
-        group_size=task.n_samples,
-        reward=0.0 if error else score.reward,
-        reward_components=score.components,
-        reward_error=error,
-        finish_reason=completion.finish_reason,
-        num_turns=sample.num_turns,
-        split=task.split or common_pb2.SPLIT_TRAIN,
-        engine_id=sample.engine_id,
-        metadata={
-            "task_policy_version": str(task.policy_version),
-            "resumes": str(sample.resumes),
-            **sample.info,
-        },
-    )
-    # extend copies a message's repeated field in C; the constructor iterates it in Python
-    trajectory.prompt_token_ids.extend(task.prompt_token_ids)
+    trajectory = common_pb2.Trajectory()
+    trajectory.CopyFrom(template)
+    trajectory.id = f"{template.prompt_id}:{completion.index}"
+    trajectory.sample_index = completion.index
+    trajectory.reward = 0.0 if error else score.reward
+    trajectory.reward_error = error
+    trajectory.finish_reason = completion.finish_reason
+    trajectory.num_turns = sample.num_turns
+    trajectory.engine_id = sample.engine_id
+    if score.components:
+        trajectory.reward_components.update(score.components)
+    metadata = trajectory.metadata
+    metadata["resumes"] = str(sample.resumes)
+    if sample.info:
+        metadata.update(sample.info)
     trajectory.response_token_ids.extend(completion.token_ids)
     trajectory.behaviour_logprobs.extend(completion.logprobs)
     trajectory.policy_versions.extend(completion.policy_versions)
@@ -397,7 +418,6 @@ def _trajectory(
         trajectory.loss_mask.extend(sample.loss_mask)
     else:
         set_all_true_mask(trajectory, len(completion.token_ids))
-    trajectory.created_at.GetCurrentTime()
     return trajectory
 
 

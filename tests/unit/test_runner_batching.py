@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from services.common.pb import reward_pb2, rollout_pb2
-from services.runner.batching import CoalescingReward, CoalescingRouter, rpc_error
+from services.runner.batching import HEAP_SWEEP_AT, CoalescingReward, CoalescingRouter, rpc_error
 from services.runner.group import InvalidTaskError, call
 
 WINDOW_S = 0.005
@@ -221,3 +221,33 @@ async def test_a_merged_score_batch_refused_as_a_whole_is_sent_again_per_group()
     assert isinstance(outcomes[1], grpc.aio.AioRpcError)
     assert outcomes[1].code() == grpc.StatusCode.INVALID_ARGUMENT
     assert stub.batches[0] == ["a", "bb", "poison"] and sorted(stub.batches[1:]) == [["a", "bb"], ["poison"]]
+
+
+async def test_a_caller_waiting_in_the_queue_hears_of_its_deadline_on_time() -> None:
+    stub = FakeRouterStub()
+    router = CoalescingRouter(stub, window_s=5.0, max_calls=64)  # type: ignore[arg-type]
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await router.Generate(request("queued"), timeout=0.1)
+    waited = asyncio.get_running_loop().time() - started
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0.09 <= waited < 1.0
+    await router.close()
+    assert stub.batch_calls == [] and stub.single_calls == [], "a call whose caller left is not sent"
+
+
+async def test_answered_calls_do_not_pile_up_behind_their_deadlines() -> None:
+    """One timer watches every deadline; the calls answered long before theirs are swept."""
+    stub = FakeRouterStub()
+    router = router_over(stub, max_calls=16)  # full batches go at once: no window to wait
+    for _ in range(2 * HEAP_SWEEP_AT // 16 + 1):
+        await asyncio.gather(*(router.Generate(request(f"r{i}"), timeout=3600) for i in range(16)))
+    watched = router._calls._deadlines._heap  # the bound is the point
+    assert len(watched) <= HEAP_SWEEP_AT
+    stub.hold = {"late"}  # and a deadline still fires after sweeps
+    late = asyncio.create_task(router.Generate(request("late"), timeout=0.05))
+    kept = asyncio.create_task(router.Generate(request("kept"), timeout=30))
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await late
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not kept.done()
+    stub.release.set()
+    assert (await kept).request_id == "kept"

@@ -14,7 +14,14 @@ import pytest
 from services.common.config import RolloutConfig
 from services.common.pb import common_pb2, reward_pb2, rollout_pb2
 from services.runner.batching import CoalescingReward, rpc_error
-from services.runner.group import GroupClients, Sample, response_texts, roll_out_group, set_all_true_mask
+from services.runner.group import (
+    GroupClients,
+    Sample,
+    finish_group,
+    response_texts,
+    roll_out_group,
+    set_all_true_mask,
+)
 
 ABORT = common_pb2.FINISH_REASON_ABORT
 LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -176,3 +183,86 @@ def test_token_ids_are_sent_unless_the_service_says_the_verifier_reads_texts(cod
     score_groups(stub, 2)
     assert [list(item.response_token_ids) for item in stub.items] == [[0, 1], [0, 1]]
     assert all(list(item.prompt_token_ids) == [5] for item in stub.items)
+
+
+class ComponentReward:
+    """Scores each item by its index in the batch, with components; keeps the requests."""
+
+    def __init__(self) -> None:
+        self.items: list[reward_pb2.ScoreRequest] = []
+
+    async def ScoreBatch(self, request: reward_pb2.ScoreBatchRequest, timeout: float | None = None):
+        self.items += list(request.items)
+        results = [
+            reward_pb2.ScoreResponse(reward=float(i) + 1, components={"correct": float(i), "format": 0.5})
+            for i, _ in enumerate(request.items)
+        ]
+        results[-1].error = "verifier failed"
+        return reward_pb2.ScoreBatchResponse(results=results)
+
+
+def test_every_field_of_a_groups_trajectories_and_score_requests() -> None:
+    """Each sample's own fields and the group's shared ones, as a field-by-field reference."""
+    task = common_pb2.PromptTask(
+        prompt_id="p7", group_id="g7", job_id="j", prompt_token_ids=[5, 6], n_samples=3,
+        prompt_text="question", answer="42", verifier="exact", policy_version=4,
+        metadata={"source_id": "row-9"}, split=common_pb2.SPLIT_EVAL,
+    )  # fmt: skip
+    first = completion(0, [0, 1], text="ab")
+    second = completion(1, [2], text="c")
+    second.error = "engine gave up"
+    third = completion(2, [3, 4, 5], text="def")
+    samples = [
+        Sample(first, "e0", resumes=2, info={"tool_calls": "1"}),
+        Sample(second, "e1"),
+        Sample(third, "e2", loss_mask=[True, False, True], num_turns=2, final_text="f"),
+    ]
+    reward = ComponentReward()
+    group_clients = clients(None, reward, LetterTokenizer())  # type: ignore[arg-type]
+    trajectories = asyncio.run(finish_group(task, samples, group_clients))
+
+    assert [t.id for t in trajectories] == ["p7:0", "p7:1", "p7:2"]
+    assert [t.sample_index for t in trajectories] == [0, 1, 2]
+    assert [t.engine_id for t in trajectories] == ["e0", "e1", "e2"]
+    assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0]  # errors score 0
+    errors = ["", "generation failed: engine gave up", "verifier failed"]
+    assert [t.reward_error for t in trajectories] == errors
+    components = [{"correct": float(i), "format": 0.5} for i in range(3)]
+    assert [dict(t.reward_components) for t in trajectories] == components
+    assert [t.num_turns for t in trajectories] == [1, 1, 2]
+    assert [dict(t.metadata) for t in trajectories] == [
+        {"task_policy_version": "4", "resumes": "2", "tool_calls": "1"},
+        {"task_policy_version": "4", "resumes": "0"},
+        {"task_policy_version": "4", "resumes": "0"},
+    ]
+    assert [list(t.loss_mask) for t in trajectories] == [[True, True], [True], [True, False, True]]
+    assert [list(t.response_token_ids) for t in trajectories] == [[0, 1], [2], [3, 4, 5]]
+    for t in trajectories:
+        assert (t.job_id, t.prompt_id, t.group_id, t.group_size) == ("j", "p7", "g7", 3)
+        assert t.split == common_pb2.SPLIT_EVAL and list(t.prompt_token_ids) == [5, 6]
+        assert t.created_at.seconds > 0 and 0 < t.stages.generated <= t.stages.scored
+        assert len(t.behaviour_logprobs) == len(t.policy_versions) == len(t.response_token_ids)
+    assert trajectories[0].created_at == trajectories[2].created_at, "one stamp for the group"
+
+    assert [item.trajectory_id for item in reward.items] == ["p7:0", "p7:1", "p7:2"]
+    assert [item.response_text for item in reward.items] == ["ab", "c", "f"]
+    assert [item.num_turns for item in reward.items] == [1, 1, 2]
+    assert [dict(item.metadata) for item in reward.items] == [
+        {"source_id": "row-9", "tool_calls": "1"},
+        {"source_id": "row-9"},
+        {"source_id": "row-9", "transcript": "def"},
+    ]
+    for item in reward.items:
+        assert (item.job_id, item.prompt_id, item.prompt_text, item.answer, item.verifier) == (
+            "j", "p7", "question", "42", "exact",
+        )  # fmt: skip
+        assert list(item.prompt_token_ids) == [5, 6], "a stub without text_only gets the ids"
+    assert [list(item.response_token_ids) for item in reward.items] == [[0, 1], [2], [3, 4, 5]]
+
+
+def test_a_group_of_another_split_defaults_to_train() -> None:
+    task = common_pb2.PromptTask(prompt_id="p", group_id="g", job_id="j", prompt_token_ids=[5], n_samples=1)
+    samples = [Sample(completion(0, [1], text="b"), "e")]
+    group_clients = clients(None, RecordingReward(), LetterTokenizer())  # type: ignore[arg-type]
+    [trajectory] = asyncio.run(finish_group(task, samples, group_clients))
+    assert trajectory.split == common_pb2.SPLIT_TRAIN and trajectory.reward == 1.0
