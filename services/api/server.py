@@ -36,6 +36,7 @@ from services.common.bus import Bus, connect
 from services.common.config import JobSpec
 from services.common.events import EventLog
 from services.common.jobs import CANCELLED, JobBrief, JobNotFoundError, JobRecord, JobStore, MetricRow
+from services.common.long_lived import freeze_long_lived_objects
 from services.common.settings import load_settings, redis_target
 from services.controller.config import ControllerSettings
 from services.controller.controller import Controller
@@ -193,6 +194,7 @@ def create_app(
         if exit_when_unhealthy and settings.unhealthy_exit_s > 0:
             watchdog = Watchdog(health, settings.unhealthy_exit_s)
             watchdog.start()
+        freeze_long_lived_objects()  # the imports and the app live as long as the process
         try:
             yield
         finally:

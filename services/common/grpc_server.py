@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from services.common.grpc_options import KEEPALIVE, KeepAlive
+from services.common.long_lived import freeze_long_lived_objects
 from services.common.rpc_metrics import RpcMetrics
 from services.common.settings import ServiceSettings, load_settings, setup_logging
 
@@ -79,6 +80,7 @@ async def serve(
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on %s:%d", settings.service_name, settings.host, port)
+    freeze_long_lived_objects()  # the imports and the server live as long as the process
     worker = asyncio.create_task(background(stop)) if background else None
     await stop.wait()
     log.info("%s shutting down", settings.service_name)

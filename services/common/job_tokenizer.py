@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from services.common.config import JobSpec
+from services.common.long_lived import freeze_long_lived_objects
 from services.common.pb import common_pb2
 
 _TOKENIZER_LOCK = threading.Lock()
@@ -38,7 +39,9 @@ def load_job_tokenizer(spec: JobSpec, handle: common_pb2.CheckpointHandle) -> An
     with _TOKENIZER_LOCK:
         from transformers import AutoTokenizer  # a slow import, needed only once a job runs
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+        freeze_long_lived_objects()  # transformers' modules stay; a full collection would walk them
+        return tokenizer
 
 
 def decode_texts(tokenizer: Any, sequences: Sequence[Sequence[int]]) -> list[str]:

@@ -32,6 +32,7 @@ from services.common.config import JobSpec
 from services.common.consumer import StreamConsumer
 from services.common.jobs import TERMINAL_STATES, JobStore
 from services.common.leases import renew_every, stop_renewing
+from services.common.long_lived import freeze_long_lived_objects
 from services.common.pb import common_pb2, trainer_pb2
 from services.common.streams import JOBS, TRAINER_GROUP, TRAINERS_GROUP, JobStreams
 from services.trainer import distributed, leader
@@ -226,6 +227,8 @@ class JobRun:
             saved_critic = resumed.directory / CRITIC_DIR if resumed is not None else None
             critic_dir = saved_critic if saved_critic is not None and saved_critic.is_dir() else base_dir
             self.critic = Critic.load(self.spec, critic_dir, self.policy.device)
+        if self.reference is not None or self.critic is not None:
+            freeze_long_lived_objects()  # as Policy.load froze the policy: they live for the job
         return resumed
 
     def _adapter_from(self, resumed: SavedCheckpoint | None) -> Path | None:

@@ -10,7 +10,6 @@ the full-batch gradient however the samples were packed.
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import torch
 
 from services.common.algorithms import POLICY_LOSSES
 from services.common.config import JobSpec, TrainerConfig
+from services.common.long_lived import freeze_long_lived_objects, release_long_lived_objects
 from services.trainer import adapters, distributed
 from services.trainer.batching import (
     MicroBatch,
@@ -410,6 +410,7 @@ class Policy:
         )
         if training_state is not None:
             _restore_training_state(engine, training_state, zero_stage(trainer), spec.model.lora is not None)
+        freeze_long_lived_objects()  # the model, the engine and their modules live for the job
         return cls(engine, tokenizer, spec, packed, shared)
 
     def optimise(
@@ -572,6 +573,6 @@ class Policy:
         if callable(destroy):
             destroy()
         self.engine = None
-        gc.collect()
+        release_long_lived_objects()  # load froze the engine: its cycles are freed only now
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

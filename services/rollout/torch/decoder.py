@@ -25,7 +25,6 @@ to transformers' forward.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from services.common.long_lived import freeze_long_lived_objects
 from services.rollout.torch.aot import AotStep
 from services.rollout.torch.sampler import sample_unfiltered
 
@@ -205,18 +205,6 @@ def _static_shape(*tensors: Tensor | None, dims: tuple[int, ...] | None = None) 
             continue
         for dim in range(tensor.dim()) if dims is None else dims:
             torch._dynamo.mark_static(tensor, dim)
-
-
-def freeze_long_lived_objects() -> None:
-    """Put every object alive now out of the garbage collector's reach (``gc.freeze``).
-
-    A loaded model, and far more a compiled step (dynamo's and inductor's graphs: ~600k
-    objects), stay alive as long as the engine. Every full collection walks them all, 0.3 to
-    0.6 s on a CPU, and stalls whichever thread allocated: a decode step, or a submit holding
-    the engine's lock. Frozen, they are skipped. Collecting first keeps garbage out of the freeze.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 class SlotDecoder:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.long_lived import freeze_long_lived_objects
 from services.common.pb import common_pb2, rollout_pb2
 from services.rollout.engine_protocol import EngineStoppedError, GenerationRequest, ServedWeights
 from services.rollout.torch.adapters import read_adapter_update
-from services.rollout.torch.decoder import freeze_long_lived_objects
 from services.rollout.torch.model import read_update, serial_torch
 from services.rollout.torch.requests import LiveRequests, LoadedModel, Row, WeightUpdate
 from services.rollout.weights import CheckpointError, copy_into_model
