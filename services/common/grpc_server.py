@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,6 +50,51 @@ def build_server(
     names = list(register(server)) if register else []
     reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
     return server, health_servicer, names
+
+
+def add_servicer(
+    add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server, *, wire_responses: Iterable[str]
+) -> None:
+    """``add(servicer, server)``, a generated ``add_*Servicer_to_server``, except that the methods
+    named in ``wire_responses`` may return their response's wire bytes as well as a message: a
+    service that passes on what it received as bytes need not parse it into a new message and
+    copy it (the router's GenerateBatch: a step's samples, megabytes)."""
+    wrapped = _WireResponses(server, frozenset(wire_responses))
+    add(servicer, wrapped)
+    if not wrapped.registered:
+        raise RuntimeError(f"{add.__name__} registered no method handlers")
+
+
+def _serialized(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    def wire(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return wire
+
+
+class _WireResponses:
+    """The server as a generated ``add_*Servicer_to_server`` sees it: it registers the handlers
+    with the named methods' serializers taking bytes as they are."""
+
+    def __init__(self, server: grpc.aio.Server, methods: frozenset[str]) -> None:
+        self.server = server
+        self.methods = methods
+        self.registered = False
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Built from the same handlers as the registered ones: replaced by theirs below."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        if unknown := self.methods - handlers.keys():
+            raise ValueError(f"{service} has no methods {sorted(unknown)}")
+        handlers = dict(handlers)
+        for name in self.methods:
+            handlers[name] = handlers[name]._replace(
+                response_serializer=_serialized(handlers[name].response_serializer)
+            )
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+        self.registered = True
 
 
 def shutdown_event() -> asyncio.Event:

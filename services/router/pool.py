@@ -5,18 +5,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
 import grpc
 
 from services.common import grpc_client
 from services.common.engine_registry import EngineRegistry
-from services.common.pb import common_pb2, rollout_pb2_grpc
+from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 AFFINITY_CAPACITY = 65_536
 """Sessions remembered for affinity; the least recently used are forgotten first."""
+GENERATE_BATCH = f"/{rollout_pb2.DESCRIPTOR.services_by_name['Rollout'].full_name}/GenerateBatch"
+"""The path of the engines' GenerateBatch (``verst.v1.Rollout``)."""
+LOAD = attrgetter("outstanding", "last_used", "engine_id")
+"""The order of engines for a request with no affinity: least loaded, then least recently used."""
 
 
 @dataclass(eq=False)
@@ -32,14 +38,31 @@ class EngineLink:
     """When this engine last got a request (a pool-wide count): ties go to the least recent."""
     retired: bool = False
     """Gone from the view; its channel closes when its last call ends."""
+    engine_id: str = field(init=False)
+    """The info's, which never changes for a link (a plain attribute: every pick reads it)."""
+    generate_batch_wire: Any = field(init=False, default=None)
+    """The engine's GenerateBatch, its reply as the bytes it came as (the router passes them on)."""
 
-    @property
-    def engine_id(self) -> str:
-        return self.info.engine_id
+    def __post_init__(self) -> None:
+        self.engine_id = self.info.engine_id
+        if self.channel is not None:
+            self.generate_batch_wire = self.channel.unary_unary(
+                GENERATE_BATCH,
+                request_serializer=rollout_pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=None,  # the bytes as they are
+            )
 
     @property
     def address(self) -> str:
         return self.info.address
+
+
+@dataclass(frozen=True, slots=True)
+class Choices:
+    """Where a request may go: its eligible engines by id, and those of them that are ready."""
+
+    every: dict[str, EngineLink]
+    ready: list[EngineLink]
 
 
 def _heartbeat(info: common_pb2.EngineInfo) -> float:
@@ -58,6 +81,9 @@ class EnginePool:
         self._drained: set[str] = set()
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._uses = 0
+        self._choices: dict[str, Choices] = {}
+        """The engines a request of a job may go to, by job id: kept until the view changes
+        (a refresh, a drain, a failure), so that a pick scans no more than it must."""
 
     async def refresh(self) -> None:
         """Bring the view in line with the registry's live engines."""
@@ -84,11 +110,28 @@ class EnginePool:
             await self._retire(self._links.pop(engine_id))
         alive_ids = {info.engine_id for info in alive}
         self._failed = {e: beat for e, beat in self._failed.items() if e in alive_ids}
+        self._choices.clear()  # the engines, their states and their jobs as just read
 
     def pick(self, session_id: str, *, exclude: set[str], job_id: str = "") -> EngineLink | None:
         """The engine for the next attempt: among those serving ``job_id`` (if any does), the
         session's engine if it can serve, else the least loaded, preferring engines that
         report weights loaded."""
+        choices = self._choices_for(job_id) if not exclude else self._eligible(exclude, job_id)
+        if not choices.every:
+            return None
+        if session_id:
+            preferred = choices.every.get(self._affinity.get(session_id, ""))
+            if preferred is not None:
+                return preferred
+        return min(choices.ready or choices.every.values(), key=LOAD)
+
+    def _choices_for(self, job_id: str) -> Choices:
+        choices = self._choices.get(job_id)
+        if choices is None:
+            choices = self._choices[job_id] = self._eligible(set(), job_id)
+        return choices
+
+    def _eligible(self, exclude: set[str], job_id: str) -> Choices:
         candidates = [
             link
             for link in self._links.values()
@@ -96,17 +139,10 @@ class EnginePool:
             and link.engine_id not in self._drained
             and link.info.state != common_pb2.ENGINE_STATE_DRAINING
         ]
-        if not candidates:
-            return None
         if job_id:
             candidates = [link for link in candidates if link.info.job_id == job_id] or candidates
-        if session_id:
-            preferred = self._affinity.get(session_id)
-            for link in candidates:
-                if link.engine_id == preferred:
-                    return link
         ready = [link for link in candidates if link.info.state != common_pb2.ENGINE_STATE_STARTING]
-        return min(ready or candidates, key=lambda link: (link.outstanding, link.last_used, link.engine_id))
+        return Choices({link.engine_id: link for link in candidates}, ready)
 
     def acquire(self, link: EngineLink, samples: int) -> None:
         self._uses += 1
@@ -133,9 +169,11 @@ class EnginePool:
             return
         self._failed[link.engine_id] = time.time()
         del self._links[link.engine_id]
+        self._choices.clear()
         await self._retire(link)
 
     def set_drained(self, engine_id: str, drained: bool) -> None:
+        self._choices.clear()
         if drained:
             self._drained.add(engine_id)
         else:
@@ -165,3 +203,4 @@ class EnginePool:
         for link in list(self._links.values()):
             await link.channel.close()
         self._links.clear()
+        self._choices.clear()

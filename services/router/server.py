@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from services.common.bus import connect
 from services.common.engine_registry import EngineRegistry
-from services.common.grpc_server import serve
+from services.common.grpc_server import add_servicer, serve
 from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.settings import load_settings, redis_target, setup_logging
@@ -141,17 +141,34 @@ Share = tuple[EngineLink, list[int]]
 
 @dataclass
 class _Batch:
-    """A GenerateBatch in progress: its requests, their attempts, and the results so far."""
+    """A GenerateBatch in progress: its requests, their attempts, and the answers so far."""
 
     requests: list[rollout_pb2.GenerateRequest]
     attempts: list[_Attempts]
-    results: list[rollout_pb2.GenerateResult] = field(default_factory=list)
-    whole: rollout_pb2.GenerateBatchResponse | None = None
-    """One engine's reply that answered every request, in order, each OK: the batch's answer as
-    it is (copying a step's samples into a new reply cost the router more than routing them)."""
+    answers: list[bytes] = field(default_factory=list)
+    """Each request's result as it is on the wire: one element of GenerateBatchResponse's
+    ``results``. The reply is their concatenation, so that an engine's answer to a request of its
+    own goes on as the bytes it came in (copying a step's samples into a new message cost the
+    router more than routing them: 0.28 ms a group of 8 1,000-token samples)."""
+    whole: bytes | None = None
+    """One engine's reply that answered every request, in order, each OK: the batch's answer."""
 
     def __post_init__(self) -> None:
-        self.results = [rollout_pb2.GenerateResult() for _ in self.requests]
+        self.answers = [b""] * len(self.requests)
+
+    def answer(self, index: int, result: rollout_pb2.GenerateResult) -> None:
+        self.answers[index] = rollout_pb2.GenerateBatchResponse(results=[result]).SerializeToString()
+
+    def reply(self) -> bytes:
+        return self.whole if self.whole is not None else b"".join(self.answers)
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineReply:
+    """An engine's GenerateBatch reply, parsed, and the bytes it came as."""
+
+    wire: bytes
+    parsed: rollout_pb2.GenerateBatchResponse
 
 
 class Router(router_pb2_grpc.RouterServicer):
@@ -194,17 +211,16 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def GenerateBatch(
         self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.GenerateBatchResponse:
+    ) -> bytes:
         """Each request goes where Generate would send it; each engine's share goes as one
         GenerateBatch. Requests whose share failed (UNAVAILABLE) or that the engine could not
-        serve yet (FAILED_PRECONDITION) are tried again elsewhere; other failures are theirs."""
+        serve yet (FAILED_PRECONDITION) are tried again elsewhere; other failures are theirs.
+        The GenerateBatchResponse is returned as its wire bytes (``register`` sends them)."""
         deadline = self._deadline(context)
         requests = list(request.requests)
         batch = _Batch(requests, [self._attempts(item, deadline) for item in requests])
         await self._dispatch(batch, list(range(len(requests))))
-        if batch.whole is not None:
-            return batch.whole
-        return rollout_pb2.GenerateBatchResponse(results=batch.results)
+        return batch.reply()
 
     async def _dispatch(self, batch: _Batch, indices: list[int]) -> None:
         """Send these requests of the batch, each engine's share as one call, concurrently."""
@@ -213,7 +229,7 @@ class Router(router_pb2_grpc.RouterServicer):
             try:
                 link = await batch.attempts[index].next()
             except RequestFailed as err:
-                batch.results[index] = err.result()
+                batch.answer(index, err.result())
                 continue
             shares.setdefault(link.engine_id, (link, []))[1].append(index)
         await asyncio.gather(*(self._serve_share(batch, share) for share in shares.values()))
@@ -223,26 +239,35 @@ class Router(router_pb2_grpc.RouterServicer):
         link, indices = share
         again = []
         replies = await self._send_share(share, batch)
-        if isinstance(replies, rollout_pb2.GenerateBatchResponse):
-            if len(indices) == len(batch.requests) and all(r.code == 0 for r in replies.results):
-                batch.whole = replies  # every request, in order (the share is the whole batch)
-            replies = list(replies.results)
-        for index, reply in zip(indices, replies, strict=True):
+        own_wire = None  # the engine's bytes, when they are one request's answer alone
+        if isinstance(replies, _EngineReply):
+            results = list(replies.parsed.results)
+            if all(r.code == 0 for r in results):
+                if indices == list(range(len(batch.requests))):  # every request, in order
+                    batch.whole = replies.wire
+                elif len(indices) == 1:
+                    own_wire = replies.wire
+        else:
+            results = replies
+        for index, reply in zip(indices, results, strict=True):
             if reply.code == grpc.StatusCode.OK.value[0]:
                 self.pool.bind(batch.requests[index].session_id, link)
-                batch.results[index] = reply
+                if own_wire is not None:
+                    batch.answers[index] = own_wire
+                elif batch.whole is None:
+                    batch.answer(index, reply)
                 continue
             try:
                 await batch.attempts[index].failed(link, status(reply.code), reply.details)
                 again.append(index)
             except RequestFailed as err:
-                batch.results[index] = err.result()
+                batch.answer(index, err.result())
         if again:
             await self._dispatch(batch, again)
 
     async def _send_share(
         self, share: Share, batch: _Batch
-    ) -> rollout_pb2.GenerateBatchResponse | list[rollout_pb2.GenerateResult]:
+    ) -> _EngineReply | list[rollout_pb2.GenerateResult]:
         """One engine's share as one GenerateBatch, its reply (an engine without it: one Generate
         each, their results); a failure of the whole call is every request's."""
         link, indices = share
@@ -250,7 +275,7 @@ class Router(router_pb2_grpc.RouterServicer):
         timeout = max(batch.attempts[i].remaining() for i in indices)
         try:
             try:
-                reply = await link.stub.GenerateBatch(sent, timeout=timeout)
+                wire = await link.generate_batch_wire(sent, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -261,12 +286,13 @@ class Router(router_pb2_grpc.RouterServicer):
         finally:
             for index in indices:
                 await self.pool.release(link, batch.attempts[index].samples)
+        reply = rollout_pb2.GenerateBatchResponse.FromString(wire)
         if len(reply.results) != len(indices):
             details = f"engine {link.engine_id} answered {len(reply.results)} results for {len(indices)}"
             return [
                 rollout_pb2.GenerateResult(code=grpc.StatusCode.INTERNAL.value[0], details=details)
             ] * len(indices)
-        return reply
+        return _EngineReply(wire, reply)
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -363,7 +389,9 @@ class Router(router_pb2_grpc.RouterServicer):
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Add the Router servicer to ``server``; returns the service names for health."""
-        router_pb2_grpc.add_RouterServicer_to_server(self, server)
+        add_servicer(
+            router_pb2_grpc.add_RouterServicer_to_server, self, server, wire_responses={"GenerateBatch"}
+        )
         return [SERVICE_NAME]
 
     async def run(self, stop: asyncio.Event) -> None:

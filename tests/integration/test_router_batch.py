@@ -212,3 +212,38 @@ async def test_without_engines_every_request_is_unavailable(setup: Setup) -> Non
     results = await setup.batch(request("r0"), request("r1"))
     assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE.value[0]] * 2
     assert all("no live engines" in r.details for r in results)
+
+
+def answered_as(setup: Setup, results: list[rollout_pb2.GenerateResult]) -> bool:
+    """Each OK result is exactly what its engine answered (the router passes the bytes on)."""
+    return all(
+        r
+        == setup.engines[r.response.engine_id].answer(
+            rollout_pb2.GenerateRequest(
+                request_id=r.response.request_id,
+                sampling=common_pb2.SamplingParams(n=len(r.response.completions)),
+            )
+        )
+        for r in results
+        if r.code == OK
+    )
+
+
+@pytest.mark.parametrize("engines", [1, 3])
+async def test_answers_pass_on_as_the_engines_sent_them_in_request_order(setup: Setup, engines: int) -> None:
+    """One engine: its reply is the batch's; one request per engine: each reply is that request's
+    result; some engines with several requests each, one refused: each result is copied."""
+    for i in range(engines):
+        await setup.add_engine(FakeEngine(f"engine-{i}"))
+    for count in (1, engines, 2 * engines + 1):
+        ids = [f"c{count}-r{i}" for i in range(count)]
+        results = await setup.batch(*(request(r, n=1 + i % 3) for i, r in enumerate(ids)))
+        assert [r.response.request_id for r in results] == ids
+        assert [len(r.response.completions) for r in results] == [1 + i % 3 for i in range(count)]
+        assert answered_as(setup, results)
+    for engine in setup.engines.values():
+        engine.refuse["bad"] = grpc.StatusCode.INVALID_ARGUMENT
+    results = await setup.batch(request("a"), request("bad"), request("b"))
+    assert [r.code for r in results] == [OK, grpc.StatusCode.INVALID_ARGUMENT.value[0], OK]
+    assert [r.response.request_id for r in results] == ["a", "", "b"]
+    assert answered_as(setup, results)
