@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.bus import Bus, connect
 from services.common.engine_registry import EngineRegistry
-from services.common.grpc_server import make_server, shutdown_event
+from services.common.grpc_server import add_servicer, make_server, shutdown_event
 from services.common.jobs import JobStore
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.streams import JobStreams
@@ -62,6 +62,22 @@ class RequestFailed(Exception):
         self.details = details
 
 
+RESPONSE_FIELD = rollout_pb2.GenerateResult.RESPONSE_FIELD_NUMBER
+RESULTS_FIELD = rollout_pb2.GenerateBatchResponse.RESULTS_FIELD_NUMBER
+
+
+def length_delimited(field_number: int, payload: bytes) -> bytes:
+    """``payload`` (a message's bytes) as field ``field_number`` of an enclosing message, as the
+    wire format has it: the key (the number, wire type 2), the length as a varint, the bytes."""
+    prefix = bytearray()
+    for rest in (field_number << 3 | 2, len(payload)):
+        while rest > 0x7F:
+            prefix.append(rest & 0x7F | 0x80)
+            rest >>= 7
+        prefix.append(rest)
+    return bytes(prefix) + payload
+
+
 class CannedSamples:
     """The completions every engine of the process answers with, built once per (sample index,
     length, version) and copied into each reply."""
@@ -70,11 +86,28 @@ class CannedSamples:
         self.tokens = tokens
         self._version = -1
         self._made: dict[tuple[int, int], rollout_pb2.Completion] = {}
+        self._wire: dict[tuple[int, int], bytes] = {}
 
-    def completion(self, index: int, length: int, version: int) -> rollout_pb2.Completion:
+    def _at(self, version: int) -> None:
         if version != self._version:  # older versions are never asked for again: forget them
             self._made.clear()
+            self._wire.clear()
             self._version = version
+
+    def completions_wire(self, n: int, length: int, version: int) -> bytes:
+        """A GenerateResponse holding only the ``n`` completions, as bytes: the rest of a
+        response is merged in by concatenating its own bytes."""
+        self._at(version)
+        made = self._wire.get((n, length))
+        if made is None:
+            response = rollout_pb2.GenerateResponse(
+                completions=[self.completion(i, length, version) for i in range(n)]
+            )
+            made = self._wire[n, length] = response.SerializeToString()
+        return made
+
+    def completion(self, index: int, length: int, version: int) -> rollout_pb2.Completion:
+        self._at(version)
         made = self._made.get((index, length))
         if made is None:
             digits = [(index + j) % 10 for j in range(length)]
@@ -191,16 +224,12 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
 
     async def answer(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         """The request's completions, or RequestFailed as a real engine would fail it."""
-        response = rollout_pb2.GenerateResponse()
-        await self.fill(request, response)
-        return response
+        return rollout_pb2.GenerateResponse.FromString(await self.answer_wire(request))
 
-    async def fill(
-        self, request: rollout_pb2.GenerateRequest, response: rollout_pb2.GenerateResponse
-    ) -> None:
-        """Write the request's completions into ``response`` (built in place: copying 1,000-token
-        samples from message to message cost the simulator more than the rest), or raise
-        RequestFailed as a real engine would fail it."""
+    async def answer_wire(self, request: rollout_pb2.GenerateRequest) -> bytes:
+        """The request's GenerateResponse as bytes: its own fields', then the canned completions'
+        (built once: serialising 1,000-token samples for every request cost the simulator more than
+        the rest), or RequestFailed as a real engine would fail it."""
         started = time.monotonic()
         if not self._resumed.is_set():
             try:
@@ -215,11 +244,11 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
         n = max(1, request.sampling.n)
         budget = request.sampling.max_new_tokens or self.samples.tokens
         length = min(self.samples.tokens, budget)
-        response.request_id, response.engine_id = request.request_id, self.engine_id
-        response.completions.extend(self.samples.completion(i, length, served.version) for i in range(n))
-        stats = response.stats
+        own = rollout_pb2.GenerateResponse(request_id=request.request_id, engine_id=self.engine_id)
+        stats = own.stats
         stats.prompt_tokens, stats.completion_tokens = len(request.prompt_token_ids), n * length
         stats.total_s = time.monotonic() - started
+        return own.SerializeToString() + self.samples.completions_wire(n, length, served.version)
 
     async def _wait_for_version(self, request: rollout_pb2.GenerateRequest) -> None:
         wanted = (request.min_policy_epoch, request.min_policy_version)
@@ -249,20 +278,22 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
 
     async def GenerateBatch(
         self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.GenerateBatchResponse:
+    ) -> bytes:
+        """The GenerateBatchResponse as bytes (``start_engine`` registers it so): each request's
+        result is its response's bytes as field 1 of a GenerateResult, itself one element of the
+        reply's ``results``."""
         self.running += len(request.requests)
-        reply = rollout_pb2.GenerateBatchResponse()
+        results = []
         try:  # one by one: a request waits only for a version, which the batch's others share
             for one in request.requests:
-                result = reply.results.add()
                 try:
-                    await self.fill(one, result.response)
+                    results.append(length_delimited(RESPONSE_FIELD, await self.answer_wire(one)))
                 except RequestFailed as err:
-                    result.Clear()
-                    result.code, result.details = err.code.value[0], err.details
+                    failed = rollout_pb2.GenerateResult(code=err.code.value[0], details=err.details)
+                    results.append(failed.SerializeToString())
         finally:
             self.running -= len(request.requests)
-        return reply
+        return b"".join(length_delimited(RESULTS_FIELD, result) for result in results)
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -319,7 +350,9 @@ async def start_engine(
     server = make_server()
     port = server.add_insecure_port(f"{host}:0")
     engine = SimulatedEngine(engine_id, f"{host}:{port}", redis_url, samples)
-    rollout_pb2_grpc.add_RolloutServicer_to_server(engine, server)
+    add_servicer(
+        rollout_pb2_grpc.add_RolloutServicer_to_server, engine, server, wire_responses={"GenerateBatch"}
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()

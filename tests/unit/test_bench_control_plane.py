@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.engine_simulator import CannedSamples, SimulatedEngine
+from bench.engine_simulator import RESULTS_FIELD, CannedSamples, SimulatedEngine, length_delimited
 from bench.trainer_simulator import Steps
 from services.common.bus import Delivery
 from services.common.pb import common_pb2, rollout_pb2
@@ -64,7 +64,8 @@ async def test_simulated_engine_answers_a_batch_in_order_and_fails_only_the_requ
     batch = rollout_pb2.GenerateBatchRequest(
         requests=[_request(2), _request(3), _request(1, n=2, max_new_tokens=50)]
     )
-    reply = await engine.GenerateBatch(batch, _Context())  # type: ignore[arg-type]
+    wire = await engine.GenerateBatch(batch, _Context())  # type: ignore[arg-type]
+    reply = rollout_pb2.GenerateBatchResponse.FromString(wire)
     assert [r.code for r in reply.results] == [0, grpc.StatusCode.FAILED_PRECONDITION.value[0], 0]
     first, last = reply.results[0].response, reply.results[2].response
     assert (first.request_id, last.request_id) == ("r2", "r1")
@@ -76,7 +77,18 @@ async def test_simulated_engine_answers_a_batch_in_order_and_fails_only_the_requ
     tokenizer = build_char_tokenizer()  # builtin:addition's, which the benchmark's job uses
     for c in [*first.completions, *last.completions]:  # the text is what the runner would decode
         assert c.text == tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
+    assert first.engine_id == "sim-0" and first.stats.completion_tokens == 15
+    alone = await engine.answer(_request(2))  # as Generate answers it, but for its time
+    alone.stats.total_s = first.stats.total_s
+    assert first == alone
     await engine.redis.aclose()
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 3_000_000])
+def test_a_message_put_in_field_one_by_hand_is_what_protobuf_writes(size: int) -> None:
+    result = rollout_pb2.GenerateResult(details="x" * size)
+    expected = rollout_pb2.GenerateBatchResponse(results=[result]).SerializeToString()
+    assert length_delimited(RESULTS_FIELD, result.SerializeToString()) == expected
 
 
 def _delivery(group: str, index: int, entry: int) -> Delivery[common_pb2.Trajectory]:
