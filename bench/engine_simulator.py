@@ -39,6 +39,7 @@ from services.common.grpc_server import add_servicer, make_server, shutdown_even
 from services.common.jobs import JobStore
 from services.common.pb import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.streams import JobStreams
+from services.common.wire import record
 
 log = logging.getLogger("engine_simulator")
 
@@ -64,18 +65,6 @@ class RequestFailed(Exception):
 
 RESPONSE_FIELD = rollout_pb2.GenerateResult.RESPONSE_FIELD_NUMBER
 RESULTS_FIELD = rollout_pb2.GenerateBatchResponse.RESULTS_FIELD_NUMBER
-
-
-def length_delimited(field_number: int, payload: bytes) -> bytes:
-    """``payload`` (a message's bytes) as field ``field_number`` of an enclosing message, as the
-    wire format has it: the key (the number, wire type 2), the length as a varint, the bytes."""
-    prefix = bytearray()
-    for rest in (field_number << 3 | 2, len(payload)):
-        while rest > 0x7F:
-            prefix.append(rest & 0x7F | 0x80)
-            rest >>= 7
-        prefix.append(rest)
-    return bytes(prefix) + payload
 
 
 class CannedSamples:
@@ -287,13 +276,13 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
         try:  # one by one: a request waits only for a version, which the batch's others share
             for one in request.requests:
                 try:
-                    results.append(length_delimited(RESPONSE_FIELD, await self.answer_wire(one)))
+                    results.append(record(RESPONSE_FIELD, await self.answer_wire(one)))
                 except RequestFailed as err:
                     failed = rollout_pb2.GenerateResult(code=err.code.value[0], details=err.details)
                     results.append(failed.SerializeToString())
         finally:
             self.running -= len(request.requests)
-        return b"".join(length_delimited(RESULTS_FIELD, result) for result in results)
+        return b"".join(record(RESULTS_FIELD, result) for result in results)
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -32,6 +32,7 @@ from services.common.grpc_server import add_servicer, serve
 from services.common.metrics_http import serving_service_metrics
 from services.common.pb import common_pb2, rollout_pb2, router_pb2, router_pb2_grpc
 from services.common.settings import load_settings, redis_target, setup_logging
+from services.common.wire import record, records
 from services.router.config import RouterSettings
 from services.router.pool import EngineLink, EnginePool
 from services.router.telemetry import RouterMetrics
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "verst.v1.Router"
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+RESULTS_FIELD = rollout_pb2.GenerateBatchResponse.RESULTS_FIELD_NUMBER
 PRUNE_EVERY_S = 30.0
 """How often the router deletes registry entries of engines long dead."""
 
@@ -145,11 +147,11 @@ class _Batch:
 
     requests: list[rollout_pb2.GenerateRequest]
     attempts: list[_Attempts]
-    answers: list[bytes] = field(default_factory=list)
-    """Each request's result as it is on the wire: one element of GenerateBatchResponse's
-    ``results``. The reply is their concatenation, so that an engine's answer to a request of its
-    own goes on as the bytes it came in (copying a step's samples into a new message cost the
-    router more than routing them: 0.28 ms a group of 8 1,000-token samples)."""
+    answers: list[bytes | memoryview] = field(default_factory=list)
+    """Each request's result as it is on the wire: a record of GenerateBatchResponse's
+    ``results`` (services/common/wire.py). The reply is their concatenation, so an engine's
+    answers go on as the bytes they came as (copying a step's samples into a new message cost
+    the router more than routing them: 0.28 ms a group of eight 1,000-token samples)."""
     whole: bytes | None = None
     """One engine's reply that answered every request, in order, each OK: the batch's answer."""
 
@@ -157,7 +159,7 @@ class _Batch:
         self.answers = [b""] * len(self.requests)
 
     def answer(self, index: int, result: rollout_pb2.GenerateResult) -> None:
-        self.answers[index] = rollout_pb2.GenerateBatchResponse(results=[result]).SerializeToString()
+        self.answers[index] = record(RESULTS_FIELD, result.SerializeToString())
 
     def reply(self) -> bytes:
         return self.whole if self.whole is not None else b"".join(self.answers)
@@ -165,10 +167,11 @@ class _Batch:
 
 @dataclass(frozen=True, slots=True)
 class _EngineReply:
-    """An engine's GenerateBatch reply, parsed, and the bytes it came as."""
+    """An engine's GenerateBatch reply: the bytes it came as, parsed, and each result's record."""
 
     wire: bytes
     parsed: rollout_pb2.GenerateBatchResponse
+    records: list[memoryview]
 
 
 class Router(router_pb2_grpc.RouterServicer):
@@ -239,22 +242,19 @@ class Router(router_pb2_grpc.RouterServicer):
         link, indices = share
         again = []
         replies = await self._send_share(share, batch)
-        own_wire = None  # the engine's bytes, when they are one request's answer alone
+        records: list[memoryview] | None = None
         if isinstance(replies, _EngineReply):
-            results = list(replies.parsed.results)
-            if all(r.code == 0 for r in results):
-                if indices == list(range(len(batch.requests))):  # every request, in order
-                    batch.whole = replies.wire
-                elif len(indices) == 1:
-                    own_wire = replies.wire
+            results, records = list(replies.parsed.results), replies.records
+            if indices == list(range(len(batch.requests))) and all(r.code == 0 for r in results):
+                batch.whole = replies.wire  # every request, in order
         else:
             results = replies
-        for index, reply in zip(indices, results, strict=True):
+        for k, (index, reply) in enumerate(zip(indices, results, strict=True)):
             if reply.code == grpc.StatusCode.OK.value[0]:
                 self.pool.bind(batch.requests[index].session_id, link)
-                if own_wire is not None:
-                    batch.answers[index] = own_wire
-                elif batch.whole is None:
+                if records is not None:
+                    batch.answers[index] = records[k]
+                else:
                     batch.answer(index, reply)
                 continue
             try:
@@ -292,7 +292,10 @@ class Router(router_pb2_grpc.RouterServicer):
             return [
                 rollout_pb2.GenerateResult(code=grpc.StatusCode.INTERNAL.value[0], details=details)
             ] * len(indices)
-        return _EngineReply(wire, reply)
+        try:
+            return _EngineReply(wire, reply, records(wire, RESULTS_FIELD))
+        except ValueError:  # fields besides the results (a newer engine's): each result copied
+            return list(reply.results)
 
     async def GenerateStream(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext

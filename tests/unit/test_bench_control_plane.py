@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.engine_simulator import RESULTS_FIELD, CannedSamples, SimulatedEngine, length_delimited
+from bench.engine_simulator import CannedSamples, SimulatedEngine
 from bench.trainer_simulator import Steps
 from services.common.bus import Delivery
 from services.common.pb import common_pb2, rollout_pb2
@@ -82,13 +82,6 @@ async def test_simulated_engine_answers_a_batch_in_order_and_fails_only_the_requ
     alone.stats.total_s = first.stats.total_s
     assert first == alone
     await engine.redis.aclose()
-
-
-@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 3_000_000])
-def test_a_message_put_in_field_one_by_hand_is_what_protobuf_writes(size: int) -> None:
-    result = rollout_pb2.GenerateResult(details="x" * size)
-    expected = rollout_pb2.GenerateBatchResponse(results=[result]).SerializeToString()
-    assert length_delimited(RESULTS_FIELD, result.SerializeToString()) == expected
 
 
 def _delivery(group: str, index: int, entry: int) -> Delivery[common_pb2.Trajectory]:
