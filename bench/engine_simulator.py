@@ -151,18 +151,21 @@ class SimulatedEngine(rollout_pb2_grpc.RolloutServicer):
         return served.version >= version
 
     async def follow_weights(self, stop: asyncio.Event) -> None:
-        """Serve the newest running job's newest handle as soon as it is published."""
+        """Serve the newest running job's newest handle as soon as it is published; which job
+        that is, is read at most every WEIGHT_POLL_S (as the engine's WeightWatcher does)."""
         bus, jobs = Bus(self.redis), JobStore(self.redis)
+        job_id, read_at = None, -WEIGHT_POLL_S
         while not stop.is_set():
             try:
-                running = await jobs.running_job_ids()
-                if not running:
+                if job_id is None or time.monotonic() - read_at >= WEIGHT_POLL_S:
+                    running, read_at = await jobs.running_job_ids(), time.monotonic()
+                    job_id = running[-1] if running else None
+                if job_id is None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), WEIGHT_POLL_S)
                     continue
-                stream = JobStreams(running[-1]).checkpoints
-                seen = await bus.newest_id(stream)
-                handle = await bus.latest(stream, common_pb2.CheckpointHandle)
+                stream = JobStreams(job_id).checkpoints
+                seen, handle = await bus.newest(stream, common_pb2.CheckpointHandle)
                 if handle is not None and self._newer(handle):
                     self.serve(handle)
                 await bus.wait_newer(stream, seen, block_ms=int(WEIGHT_POLL_S * 1000))

@@ -160,6 +160,9 @@ class WeightWatcher:
         self._last_error = ""
         self._watched: tuple[str, str] | None = None
         """(job, checkpoints-stream entry id) last looked at."""
+        self._job: str | None = None
+        self._job_read_at = 0.0
+        """When the newest running job (``_job``) was last read (monotonic seconds)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -189,14 +192,14 @@ class WeightWatcher:
 
     async def check(self) -> bool:
         """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""
-        job_id = await newest_running_job(self.jobs)
+        job_id = await self._job_to_watch()
         if job_id is None:
             self._watched = None
             return False
         stream = JobStreams(job_id).checkpoints
-        # The id first: a handle published after it wakes the next wait at once.
-        self._watched = (job_id, await self.bus.newest_id(stream))
-        handle = await self.bus.latest(stream, common_pb2.CheckpointHandle)
+        # The newest id with the handle: one published after it wakes the next wait at once.
+        seen, handle = await self.bus.newest(stream, common_pb2.CheckpointHandle)
+        self._watched = (job_id, seen)
         if handle is None:
             return False
         if not handle.job_id:
@@ -214,6 +217,16 @@ class WeightWatcher:
             return False
         await self._report(handle, report)
         return True
+
+    async def _job_to_watch(self) -> str | None:
+        """The newest running job, looked up at most every ``poll_s``: a new version of the job
+        watched wakes the watcher, which then reads that job's stream alone (the jobs' states
+        cost two round trips and most of the watcher's CPU, for every engine at every version)."""
+        now = time.monotonic()
+        if self._watched is None or now - self._job_read_at >= self.poll_s:
+            self._job = await newest_running_job(self.jobs)
+            self._job_read_at = now
+        return self._job
 
     def _names_other_weights(self, handle: common_pb2.CheckpointHandle) -> bool:
         """Whether ``handle`` names weights other than those served."""
