@@ -494,7 +494,10 @@ class Bus:
         by ``latest``: pass LATEST_SCAN); returns how many were deleted.
 
         Safe with MINID: nothing at or after a group's oldest pending entry, or after its last
-        delivered one, is touched. A stream without groups is left alone.
+        delivered one, is touched. A stream without groups is left alone. The groups' states are
+        read apart from their pending entries, which consumers ack in between: a group with
+        entries pending then, and none when its pending entries are read, is bounded by the
+        last entry delivered before (what was delivered since lies after it and stays).
         """
         groups = await self.redis.xinfo_groups(stream)
         if not groups:
@@ -502,9 +505,11 @@ class Bus:
         newest = await self.redis.xrevrange(stream, count=keep) if keep else []
         bounds = [_id_key(newest[-1][0])] if newest else []
         for info in groups:
+            oldest_pending = None
             if int(info["pending"]):
-                summary = await self.redis.xpending(stream, info["name"])
-                bounds.append(_id_key(summary["min"]))
+                oldest_pending = (await self.redis.xpending(stream, info["name"]))["min"]
+            if oldest_pending is not None:
+                bounds.append(_id_key(oldest_pending))
             else:
                 ms, seq = _id_key(info["last-delivered-id"])
                 bounds.append((ms, seq + 1))

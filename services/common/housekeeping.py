@@ -102,6 +102,8 @@ async def tend_job(bus: Bus, job_id: str, every_s: float, dead_after_s: float, s
             await tidy_job(bus, job_id, dead_after_ms=int(dead_after_s * 1000))
         except RedisError as err:
             log.warning("%s: housekeeping failed, trying again in %.0fs: %s", job_id, every_s, err)
+        except Exception:  # a bug here must not stop the job's driver, which runs this beside it
+            log.exception("%s: housekeeping failed unexpectedly, trying again in %.0fs", job_id, every_s)
 
 
 async def tidy_ended_job(bus: Bus, store: JobStore, job_id: str, dead_after_s: float) -> None:

@@ -375,3 +375,25 @@ async def test_a_publish_larger_than_a_chunk_keeps_its_order(bus: Bus) -> None:
     entries = await bus.redis.xrange(stream)
     assert [entry_id.decode() for entry_id, _ in entries] == ids
     assert [common_pb2.Trajectory.FromString(f[DATA_FIELD]).id for _, f in entries] == [t.id for t in many]
+
+
+async def test_trim_consumed_when_the_pending_entries_are_acked_while_it_looks(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups' states say an entry is pending; by the time their pending entries are read,
+    it was acked (busy streams do this): the trim goes on, bounded by the last delivered entry."""
+    stream = STREAMS.trajectories
+    await bus.ensure_group(stream, "trainer")
+    ids = await bus.publish_many(stream, [trajectory(i) for i in range(6)])
+    read = await bus.read(stream, "trainer", "t", common_pb2.Trajectory, count=4, block_ms=50)
+    seen = await bus.redis.xinfo_groups(stream)
+    assert int(seen[0]["pending"]) == 4
+    await bus.ack(stream, "trainer", [d.entry_id for d in read])
+
+    async def as_seen(name: str) -> list[dict[str, object]]:
+        return seen
+
+    monkeypatch.setattr(bus.redis, "xinfo_groups", as_seen)
+    assert await bus.trim_consumed(stream) == 4
+    remaining = [eid.decode() for eid, _ in await bus.redis.xrange(stream)]
+    assert remaining == ids[4:]

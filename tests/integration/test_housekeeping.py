@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from services.common import housekeeping
 from services.common.bus import Bus
 from services.common.housekeeping import remove_dead_consumers, tidy, tidy_job
 from services.common.jobs import SUCCEEDED
@@ -150,3 +153,28 @@ async def _only(bus: Bus, stream: str, entry_id: str) -> bool:
 
 async def _issued(trainer: Trainer, batches: int) -> bool:
     return (await trainer.store.get(trainer.job_id)).issued_batches == batches
+
+
+async def test_a_pass_that_fails_unexpectedly_does_not_end_the_tending(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tend_job runs beside a job's driver: a pass that raises (a bug, not an outage) is logged and
+    the next pass runs, rather than taking the driver down with it."""
+    passes: list[str] = []
+
+    async def failing_once(bus: Bus, job_id: str, *, dead_after_ms: int, ended: bool = False) -> int:
+        passes.append(job_id)
+        if len(passes) == 1:
+            raise AttributeError("'NoneType' object has no attribute 'partition'")
+        return 0
+
+    monkeypatch.setattr(housekeeping, "tidy_job", failing_once)
+    stop = asyncio.Event()
+    tending = asyncio.create_task(housekeeping.tend_job(bus, "tidy", 0.01, 60.0, stop))
+
+    async def three_passes() -> bool:
+        return len(passes) >= 3
+
+    await eventually(three_passes, "three passes", timeout_s=5)
+    stop.set()
+    await asyncio.wait_for(tending, 5)
