@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from services.common.pb import reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.runner.spliced import packed_batch, packed_response, unpacked_response
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +227,29 @@ async def one_by_one(
     )
 
 
-def _generate_outcome(result: rollout_pb2.GenerateResult) -> Outcome[rollout_pb2.GenerateResponse]:
+def _generate_outcome(
+    result: rollout_pb2.PackedGenerateResult,
+) -> Outcome[rollout_pb2.PackedGenerateResponse]:
     if result.code == grpc.StatusCode.OK.value[0]:
         return result.response
     return rpc_error(STATUS_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN), result.details)
+
+
+def _packed(outcome: Outcome[rollout_pb2.GenerateResponse]) -> Outcome[rollout_pb2.PackedGenerateResponse]:
+    return outcome if isinstance(outcome, BaseException) else packed_response(outcome)
+
+
+PackedBatchCall = Callable[..., Awaitable[rollout_pb2.PackedGenerateBatchResponse]]
+"""The router's GenerateBatch read as a PackedGenerateBatchResponse (``packed_batch_call``)."""
+
+
+def packed_batch_call(channel: grpc.aio.Channel) -> PackedBatchCall:
+    """The router's GenerateBatch on ``channel``, its reply read by ``spliced.packed_batch``."""
+    return channel.unary_unary(
+        "/verst.v1.Router/GenerateBatch",
+        request_serializer=rollout_pb2.GenerateBatchRequest.SerializeToString,
+        response_deserializer=packed_batch,
+    )
 
 
 class _CoalescingStub:
@@ -249,7 +269,8 @@ class _CoalescingStub:
 
 class CoalescingRouter(_CoalescingStub):
     """The router stub, its Generate calls coalesced into GenerateBatch calls; its other
-    methods (GenerateStream, ListEngines...) are the stub's own."""
+    methods (GenerateStream, ListEngines...) are the stub's own. ``GeneratePacked`` answers with
+    the completions' arrays as packed bytes (spliced.py), ``Generate`` parses them."""
 
     def __init__(
         self,
@@ -258,11 +279,14 @@ class CoalescingRouter(_CoalescingStub):
         window_s: float,
         max_calls: int,
         observe: Callable[[int], None] | None = None,
+        batch_call: PackedBatchCall | None = None,
     ) -> None:
         self.stub = stub
         self.batches = True
         """False once the router answered GenerateBatch with UNIMPLEMENTED."""
-        self._calls = Coalescer[rollout_pb2.GenerateRequest, rollout_pb2.GenerateResponse](
+        self._batch_call = batch_call
+        """GenerateBatch read packed (``packed_batch_call``); None: the stub's, packed again."""
+        self._calls = Coalescer[rollout_pb2.GenerateRequest, rollout_pb2.PackedGenerateResponse](
             self._send, window_s=window_s, max_calls=max_calls, name="router Generate", observe=observe
         )
 
@@ -271,23 +295,43 @@ class CoalescingRouter(_CoalescingStub):
     ) -> rollout_pb2.GenerateResponse:
         if not self.batches:
             return await self.stub.Generate(request, timeout=timeout)
+        return unpacked_response(await self._calls.call(request, timeout))
+
+    async def GeneratePacked(
+        self, request: rollout_pb2.GenerateRequest, timeout: float | None = None
+    ) -> rollout_pb2.PackedGenerateResponse:
+        if not self.batches:
+            return packed_response(await self.stub.Generate(request, timeout=timeout))
         return await self._calls.call(request, timeout)
+
+    async def _batch(
+        self, batch: rollout_pb2.GenerateBatchRequest, timeout: float | None
+    ) -> rollout_pb2.PackedGenerateBatchResponse:
+        if self._batch_call is not None:
+            return await self._batch_call(batch, timeout=timeout)
+        reply = await self.stub.GenerateBatch(batch, timeout=timeout)
+        return rollout_pb2.PackedGenerateBatchResponse.FromString(reply.SerializeToString())
+
+    async def _one_by_one(
+        self, requests: list[rollout_pb2.GenerateRequest], timeouts: list[float | None]
+    ) -> list[Outcome[rollout_pb2.PackedGenerateResponse]]:
+        return [_packed(outcome) for outcome in await one_by_one(self.stub.Generate, requests, timeouts)]
 
     async def _send(
         self, requests: list[rollout_pb2.GenerateRequest], timeouts: list[float | None]
-    ) -> list[Outcome[rollout_pb2.GenerateResponse]]:
+    ) -> list[Outcome[rollout_pb2.PackedGenerateResponse]]:
         if not self.batches or len(requests) == 1:
-            return await one_by_one(self.stub.Generate, requests, timeouts)
+            return await self._one_by_one(requests, timeouts)
         batch = rollout_pb2.GenerateBatchRequest(requests=requests)
         try:
-            reply = await self.stub.GenerateBatch(batch, timeout=latest(timeouts))
+            reply = await self._batch(batch, latest(timeouts))
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("the router has no GenerateBatch: one Generate per request from now on")
                 self.batches = False
             elif err.code() in SHARED_FAILURES:
                 return [err] * len(requests)
-            return await one_by_one(self.stub.Generate, requests, timeouts)
+            return await self._one_by_one(requests, timeouts)
         if len(reply.results) != len(requests):
             details = f"router GenerateBatch returned {len(reply.results)} results for {len(requests)}"
             return [rpc_error(grpc.StatusCode.INTERNAL, details)] * len(requests)

@@ -39,6 +39,14 @@ from services.common.config import RolloutConfig
 from services.common.job_tokenizer import decode_texts
 from services.common.pb import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
 from services.runner.batching import CoalescingReward, CoalescingRouter
+from services.runner.spliced import (
+    SplicedTrajectory,
+    lengths,
+    merge_token_ids,
+    packed_response,
+    token_ids,
+    unpacked_completion,
+)
 
 T = TypeVar("T")
 
@@ -143,6 +151,20 @@ def _check_completions(n_samples: int, reply: rollout_pb2.GenerateResponse) -> N
             )
 
 
+def _check_packed(n_samples: int, reply: rollout_pb2.PackedGenerateResponse) -> None:
+    """``_check_completions`` for a packed reply, on its arrays' lengths."""
+    indices = sorted(c.index for c in reply.completions)
+    if indices != list(range(n_samples)):
+        raise RetryLaterError(f"router returned samples {indices} for n_samples={n_samples}")
+    for c in reply.completions:
+        tokens, logprobs, versions = lengths(c)
+        if not tokens == logprobs == versions:
+            raise RetryLaterError(
+                f"sample {c.index}: {tokens} tokens, {logprobs} logprobs, {versions} versions:"
+                " they must align"
+            )
+
+
 @dataclass(slots=True)
 class Sample:
     """One sample of a group as it grows across resumes (and, in an episode, turns)."""
@@ -174,6 +196,20 @@ async def generate(
     return reply
 
 
+async def generate_packed(
+    request: rollout_pb2.GenerateRequest, clients: GroupClients
+) -> rollout_pb2.PackedGenerateResponse:
+    """``generate``, its completions' arrays left as packed bytes (spliced.py)."""
+    packed_call = getattr(clients.router, "GeneratePacked", None)
+    if packed_call is None:  # a plain stub: its parsed reply, packed again
+        return packed_response(await generate(request, clients))
+    reply = await call(
+        "router Generate", clients.retry_s, lambda: packed_call(request, timeout=clients.request_timeout_s)
+    )
+    _check_packed(max(1, request.sampling.n), reply)
+    return reply
+
+
 def group_request(task: common_pb2.PromptTask, stop: list[str] | None = None) -> rollout_pb2.GenerateRequest:
     """The Generate of the task's n samples; ``stop`` adds stop strings to the task's."""
     sampling = common_pb2.SamplingParams()
@@ -202,15 +238,55 @@ async def roll_out_group(task: common_pb2.PromptTask, clients: GroupClients) -> 
     """One Trajectory per sample of ``task`` (sample order), aborted samples resumed, with rewards."""
     request = group_request(task)
     samples = await generate_group(request, clients)
+    await _resume_aborted(request, samples, clients)
+    return await finish_group(task, samples, clients)
+
+
+async def roll_out_group_spliced(task: common_pb2.PromptTask, clients: GroupClients) -> list[Any]:
+    """``roll_out_group`` as the runner runs it for its jobs: the same trajectories, each a
+    SplicedTrajectory that passes the engine's arrays on as bytes (spliced.py); a group with an
+    aborted sample is resumed and built as ``roll_out_group`` does."""
+    request = group_request(task)
+    reply = await generate_packed(request, clients)
+    packed = sorted(reply.completions, key=lambda c: c.index)
+    if any(c.finish_reason == common_pb2.FINISH_REASON_ABORT for c in packed):
+        samples = [Sample(unpacked_completion(c), reply.engine_id) for c in packed]
+        await _resume_aborted(request, samples, clients)
+        return await finish_group(task, samples, clients)
+    generated = time.time()
+    texts: list[str | None] = [c.text if c.HasField("text") else None for c in packed]
+    missing = [i for i, text in enumerate(texts) if text is None]
+    if missing:  # an engine that does not detokenize: decoded here, as response_texts does
+        decoded = decode_texts(clients.tokenizer, [token_ids(packed[i]) for i in missing])
+        for i, text in zip(missing, decoded, strict=True):
+            texts[i] = text
+    with_ids = not await text_only(clients.reward, task.verifier)
+    template = _score_template(task, with_ids)
+    items = []
+    for c, text in zip(packed, texts, strict=True):
+        item = _score_item(template, c.index, text or "")
+        if with_ids:
+            merge_token_ids(item, c)
+        items.append(item)
+    scores = await _score_items(items, clients)
+    template = _group_template(task, common_pb2.StageTimes(generated=generated, scored=time.time()))
+    return [
+        SplicedTrajectory(_trajectory_head(template, c, reply.engine_id, score), c)
+        for c, score in zip(packed, scores, strict=True)
+    ]
+
+
+async def _resume_aborted(
+    request: rollout_pb2.GenerateRequest, samples: list[Sample], clients: GroupClients
+) -> None:
     aborted = [
         (i, s) for i, s in enumerate(samples) if s.completion.finish_reason == common_pb2.FINISH_REASON_ABORT
     ]
     if aborted:  # most groups have none: no task per sample
         await run_all(
-            [resume(request, s, clients, index=i, name=f"{task.prompt_id}:{i}") for i, s in aborted],
-            name=task.prompt_id,
+            [resume(request, s, clients, index=i, name=f"{request.request_id}:{i}") for i, s in aborted],
+            name=request.request_id,
         )
-    return await finish_group(task, samples, clients)
 
 
 async def run_all(work: list[Awaitable[T]], name: str) -> list[T]:
@@ -326,14 +402,21 @@ def _score_template(task: common_pb2.PromptTask, token_ids: bool) -> reward_pb2.
     return template
 
 
+def _score_item(template: reward_pb2.ScoreRequest, index: int, text: str) -> reward_pb2.ScoreRequest:
+    request = reward_pb2.ScoreRequest()
+    request.CopyFrom(template)
+    request.trajectory_id = f"{template.prompt_id}:{index}"
+    request.response_text = text
+    request.num_turns = 1
+    return request
+
+
 def _score_request(
     template: reward_pb2.ScoreRequest, sample: Sample, text: str, token_ids: bool
 ) -> reward_pb2.ScoreRequest:
     """An episode is scored on its last turn's text; its whole response is the transcript."""
-    request = reward_pb2.ScoreRequest()
-    request.CopyFrom(template)
-    request.trajectory_id = f"{template.prompt_id}:{sample.completion.index}"
-    request.response_text = text if sample.final_text is None else sample.final_text
+    final = text if sample.final_text is None else sample.final_text
+    request = _score_item(template, sample.completion.index, final)
     request.num_turns = sample.num_turns
     if token_ids:
         request.response_token_ids.extend(sample.completion.token_ids)
@@ -350,6 +433,12 @@ async def _score(
     token_ids = not await text_only(clients.reward, task.verifier)
     template = _score_template(task, token_ids)
     items = [_score_request(template, s, text, token_ids) for s, text in zip(samples, texts, strict=True)]
+    return await _score_items(items, clients)
+
+
+async def _score_items(
+    items: list[reward_pb2.ScoreRequest], clients: GroupClients
+) -> list[reward_pb2.ScoreResponse]:
     batch = reward_pb2.ScoreBatchRequest(items=items)
     reply = await call(
         "reward ScoreBatch",
@@ -395,18 +484,8 @@ def _trajectory(
     score: reward_pb2.ScoreResponse,
 ) -> common_pb2.Trajectory:
     completion = sample.completion
-    error = f"generation failed: {completion.error}" if completion.error else score.error
-    trajectory = common_pb2.Trajectory()
-    trajectory.CopyFrom(template)
-    trajectory.id = f"{template.prompt_id}:{completion.index}"
-    trajectory.sample_index = completion.index
-    trajectory.reward = 0.0 if error else score.reward
-    trajectory.reward_error = error
-    trajectory.finish_reason = completion.finish_reason
+    trajectory = _trajectory_head(template, completion, sample.engine_id, score)
     trajectory.num_turns = sample.num_turns
-    trajectory.engine_id = sample.engine_id
-    if score.components:
-        trajectory.reward_components.update(score.components)
     metadata = trajectory.metadata
     metadata["resumes"] = str(sample.resumes)
     if sample.info:
@@ -418,6 +497,29 @@ def _trajectory(
         trajectory.loss_mask.extend(sample.loss_mask)
     else:
         set_all_true_mask(trajectory, len(completion.token_ids))
+    return trajectory
+
+
+def _trajectory_head(
+    template: common_pb2.Trajectory,
+    completion: rollout_pb2.Completion | rollout_pb2.PackedCompletion,
+    engine_id: str,
+    score: reward_pb2.ScoreResponse,
+) -> common_pb2.Trajectory:
+    """The sample's Trajectory but its arrays: a one-turn sample, never resumed."""
+    error = f"generation failed: {completion.error}" if completion.error else score.error
+    trajectory = common_pb2.Trajectory()
+    trajectory.CopyFrom(template)
+    trajectory.id = f"{template.prompt_id}:{completion.index}"
+    trajectory.sample_index = completion.index
+    trajectory.reward = 0.0 if error else score.reward
+    trajectory.reward_error = error
+    trajectory.finish_reason = completion.finish_reason
+    trajectory.num_turns = 1
+    trajectory.engine_id = engine_id
+    if score.components:
+        trajectory.reward_components.update(score.components)
+    trajectory.metadata["resumes"] = "0"
     return trajectory
 
 

@@ -43,9 +43,16 @@ from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.redis_client import RedisTarget
 from services.common.settings import load_settings, redis_target, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
-from services.runner.batching import CoalescingReward, CoalescingRouter
+from services.runner.batching import CoalescingReward, CoalescingRouter, packed_batch_call
 from services.runner.config import RunnerSettings
-from services.runner.group import GroupClients, InvalidTaskError, RetryLaterError, check_task
+from services.runner.group import (
+    GroupClients,
+    InvalidTaskError,
+    RetryLaterError,
+    check_task,
+    roll_out_group,
+    roll_out_group_spliced,
+)
 from services.runner.publishing import GroupPublisher
 from services.runner.shaping import load_shapings, shape_rewards
 from services.runner.strategy import check_trajectories, load_strategy
@@ -310,7 +317,9 @@ class Runner:
         strategy = load_strategy(spec.rollout)
         shapings = load_shapings(spec.reward.shaping)
         clients = await self._clients(loop)
-        trajectories = await strategy.fn(task, clients)
+        # the builtin strategy's trajectories pass the engine's arrays on as bytes (spliced.py)
+        roll_out = roll_out_group_spliced if strategy.fn is roll_out_group else strategy.fn
+        trajectories = await roll_out(task, clients)
         check_trajectories(strategy.name, task, trajectories)
         for trajectory in trajectories:  # provenance: which strategy made it
             trajectory.metadata[STRATEGY_KEY] = strategy.name
@@ -352,9 +361,10 @@ class Runner:
 
     def _router(self, address: str) -> CoalescingRouter:
         if address not in self._routers:
-            stub = router_pb2_grpc.RouterStub(self._channels.get(address))
+            channel = self._channels.get(address)
             self._routers[address] = CoalescingRouter(
-                stub,
+                router_pb2_grpc.RouterStub(channel),
+                batch_call=packed_batch_call(channel),
                 window_s=self.settings.batch_window_s,
                 max_calls=self.settings.batch_max_calls,
                 observe=self.metrics.batch_observer("generate"),

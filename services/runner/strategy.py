@@ -57,6 +57,7 @@ from services.runner.group import (
     resume,
     run_all,
 )
+from services.runner.spliced import array_lengths
 
 __all__ = [
     "GroupClients",
@@ -110,8 +111,7 @@ def check_trajectories(
     if indices != list(range(task.n_samples)):
         raise InvalidTaskError(f"{FIELD} {name!r} returned samples {indices} for n_samples={task.n_samples}")
     for t in trajectories:
-        sizes = {len(t.response_token_ids), len(t.behaviour_logprobs), len(t.policy_versions)}
-        sizes.add(len(t.loss_mask))
+        sizes = set(array_lengths(t))
         if (t.job_id, t.prompt_id) != (task.job_id, task.prompt_id) or len(sizes) != 1:
             raise InvalidTaskError(
                 f"{FIELD} {name!r}: trajectory {t.id!r} is not of task {task.prompt_id!r}"

@@ -189,3 +189,49 @@ class ResumeResponse(_message.Message):
 class GetEngineStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PackedGenerateBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PackedGenerateResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PackedGenerateResult, _Mapping]]] = ...) -> None: ...
+
+class PackedGenerateResult(_message.Message):
+    __slots__ = ("response", "code", "details")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    response: PackedGenerateResponse
+    code: int
+    details: str
+    def __init__(self, response: _Optional[_Union[PackedGenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class PackedGenerateResponse(_message.Message):
+    __slots__ = ("request_id", "completions", "engine_id", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    completions: _containers.RepeatedCompositeFieldContainer[PackedCompletion]
+    engine_id: str
+    stats: GenerateStats
+    def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[PackedCompletion, _Mapping]]] = ..., engine_id: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ...) -> None: ...
+
+class PackedCompletion(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "policy_versions", "finish_reason", "error", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: bytes
+    logprobs: bytes
+    policy_versions: bytes
+    finish_reason: _common_pb2.FinishReason
+    error: str
+    text: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., policy_versions: _Optional[bytes] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
