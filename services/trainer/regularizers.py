@@ -78,11 +78,21 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return log_z - (probs * shifted).sum(dim=-1)
 
 
+ENTROPY_CHUNK_ELEMENTS = 1 << 18
+"""Logits per chunk of ``masked_entropy_sum`` (1 MiB of float32): per vocabulary size the best
+measured of 32 rows, 2^15-2^19 elements (99 tokens: 2.4 -> 0.37 ms for 1,226 positions against 32
+rows; 1,000: 6.5 -> 2.9 ms; 49,152: no slower than 32 rows)."""
+
+
 @torch.no_grad()
-def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, rows: int = 32) -> float:
+def masked_entropy_sum(
+    logits: torch.Tensor, mask: torch.Tensor, chunk_elements: int = ENTROPY_CHUNK_ELEMENTS
+) -> float:
     """The sum of ``token_entropy`` over the positions of ``mask`` (logits ``[..., vocab]``, mask
-    ``[...]``), without a graph, ``rows`` positions at a time: with a large vocabulary each chunk
-    stays in cache, about 5x faster than one pass over them all. For logging the entropy."""
+    ``[...]``), without a graph, about ``chunk_elements`` logits at a time: each chunk stays in
+    cache (with a large vocabulary about 5x faster than one pass over them all), and a small
+    vocabulary takes few chunks (each costs a few tensor calls). For logging the entropy."""
+    rows = max(1, chunk_elements // max(1, logits.shape[-1]))
     where = mask.nonzero(as_tuple=True)
     total = torch.zeros((), dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     for start in range(0, int(where[0].numel()), rows):
