@@ -25,6 +25,9 @@ class TrainerSettings(ServiceSettings):
     """Where to train: cuda when available under `auto`, else cpu."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """CPU threads for torch; 0 keeps torch's default."""
+    thread_tuning: bool = True
+    """On a CPU, one process: time a job's first steps on these threads and on half of them,
+    then keep the faster (services/trainer/threads.py)."""
     poll_block_ms: int = Field(1000, ge=10, le=20_000)
     """Longest wait of one stream read (jobs or trajectories) before looking at stop requests again."""
     job_reclaim_idle_ms: int = Field(5000, ge=1000, le=86_400_000)

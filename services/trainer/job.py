@@ -57,6 +57,7 @@ from services.trainer.report import (
     tool_use_rate,
 )
 from services.trainer.telemetry import TrainerMetrics
+from services.trainer.threads import ThreadChoice, candidates
 from services.trainer.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ class JobRun:
         self._in_training: list[Delivery[Trajectory]] = []
         self._reported: asyncio.Future[None] | None = None
         """The last step's report, made once its weights are out (``_settle``)."""
+        self.threads: ThreadChoice | None = None
+        """The torch threads of each step (set at the first, when the process group is known)."""
 
     async def run(self) -> None:
         self.filters = check_supported(self.spec)
@@ -438,12 +441,21 @@ class JobRun:
             self._reported = None
 
     def _optimise(self, groups: list[Group]) -> tuple[Prepared, StepStats]:
-        """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps."""
+        """Blocking: old logprobs, advantages and weights (prepare.py), then the optimiser steps,
+        on the step's torch threads (set in this thread: each thread has its own OpenMP team)."""
         assert self.policy is not None
+        if self.threads is None:
+            tune = self.settings.thread_tuning and self.device.type == "cpu" and distributed.size() == 1
+            self.threads = ThreadChoice(candidates(torch.get_num_threads(), tune))
+        threads = self.threads.next()
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
         members = [group.ordered() for group in groups]
         prepared = prepare(members, self.spec, self.version, self.policy, self.reference, self.critic)
         seed = self.spec.seed * 1_000_003 + self.version
-        return prepared, self.policy.optimise(prepared.samples, seed, self.critic, prepared.proximal)
+        stats = self.policy.optimise(prepared.samples, seed, self.critic, prepared.proximal)
+        self.threads.record(threads, time.perf_counter() - started, stats.padded_tokens)
+        return prepared, stats
 
     def _step_drops(self) -> DropCounts:
         """A step's drop counts, with every filter of the job at 0 (its metric is in every step)."""
