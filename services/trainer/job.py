@@ -57,7 +57,7 @@ from services.trainer.report import (
     tool_use_rate,
 )
 from services.trainer.telemetry import TrainerMetrics
-from services.trainer.threads import ThreadChoice, candidates
+from services.trainer.threads import ThreadChoice, candidates, job_threads
 from services.trainer.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -446,7 +446,7 @@ class JobRun:
         assert self.policy is not None
         if self.threads is None:
             tune = self.settings.thread_tuning and self.device.type == "cpu" and distributed.size() == 1
-            self.threads = ThreadChoice(candidates(torch.get_num_threads(), tune))
+            self.threads = ThreadChoice(candidates(job_threads(self.settings.torch_threads), tune))
         threads = self.threads.next()
         torch.set_num_threads(threads)
         started = time.perf_counter()

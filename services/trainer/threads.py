@@ -16,7 +16,12 @@ import logging
 import statistics
 from collections.abc import Sequence
 
+import torch
+
 log = logging.getLogger(__name__)
+
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+"""Torch's threads before any job chose its own (a job's choice stays set in the process)."""
 
 MIN_TRIALS = 3
 """Steps timed on each candidate at least: the choice is made then if one stands apart."""
@@ -24,6 +29,12 @@ MAX_TRIALS = 8
 """Steps timed on each candidate at most: then the lower median wins."""
 WARMUP_STEPS = 2
 """A job's first steps, not timed: their one-off work (allocations, first kernels) would count."""
+
+
+def job_threads(configured: int) -> int:
+    """The threads a job starts from: ``trainer.torch_threads``, or with 0 torch's default (not
+    what the last job chose)."""
+    return configured or TORCH_DEFAULT_THREADS
 
 
 def candidates(threads: int, tune: bool) -> tuple[int, ...]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
-from services.trainer.threads import ThreadChoice, candidates
+from services.trainer.threads import TORCH_DEFAULT_THREADS, ThreadChoice, candidates, job_threads
 
 
 def test_the_candidates_are_the_threads_and_half_of_them_when_tuning() -> None:
@@ -15,6 +16,16 @@ def test_the_candidates_are_the_threads_and_half_of_them_when_tuning() -> None:
     assert candidates(2, tune=True) == (2, 1)
     assert candidates(1, tune=True) == (1,)
     assert candidates(8, tune=False) == (8,)
+
+
+def test_each_job_starts_from_the_configured_threads_not_the_last_jobs_choice() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what a job that chose one thread leaves set
+        assert job_threads(0) == TORCH_DEFAULT_THREADS
+        assert job_threads(6) == 6
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(
