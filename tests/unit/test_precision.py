@@ -3,10 +3,13 @@ LM head in float32, and the settings that cannot run."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from services.common.config import JobSpecError, parse_job_spec
+from services.trainer import precision
 from services.trainer.precision import autocast, check_autocast, keep_head_in_float32
 from tests.integration.rollout_helpers import tiny_llama
 
@@ -54,3 +57,21 @@ def test_autocast_needs_float32_weights() -> None:
         parse_job_spec({"model": {"dtype": "bfloat16"}, "trainer": {"autocast": "bfloat16"}})
     with pytest.raises(JobSpecError, match=r"trainer\.autocast"):
         parse_job_spec({"trainer": {"autocast": "half"}})
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_is_warned_of(
+    native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(precision, "cpu_has_bfloat16_matmuls", lambda: native)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.precision"):
+        check_autocast("bfloat16", CPU)
+        check_autocast("off", CPU)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == (0 if native else 1)
+    if not native:
+        assert "without bfloat16 matmuls" in warned[0] and "trainer.autocast: off" in warned[0]
+
+
+def test_the_cpu_check_answers() -> None:
+    assert isinstance(precision.cpu_has_bfloat16_matmuls(), bool)
