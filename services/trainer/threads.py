@@ -29,6 +29,11 @@ MAX_TRIALS = 8
 """Steps timed on each candidate at most: then the lower median wins."""
 WARMUP_STEPS = 2
 """A job's first steps, not timed: their one-off work (allocations, first kernels) would count."""
+LONGEST_TRIED_STEP_S = 5.0
+"""A job whose second step takes longer keeps all its threads untried: each trial on the slower
+count would cost seconds, and such steps vary too much for a few trials to tell (SmolLM2 in float32
+on two cores: 20.6-59.9 s over steps 3-10 of one job, alternating the counts, undecided after
+four each)."""
 
 
 def job_threads(configured: int) -> int:
@@ -47,7 +52,9 @@ class ThreadChoice:
     """The thread count of each step of one job: the first candidate over the warm-up steps, then
     the candidates in turn, each step timed, until one stands apart (after ``min_trials`` each:
     its median below every step of the others, its slowest step below their medians) or
-    ``max_trials`` each are timed (then the lower median wins); then that one for good. On two
+    ``max_trials`` each are timed (then the lower median wins); then that one for good. A warm-up
+    step but the first (its one-off work) longer than ``longest_step_s`` ends it at once, on the
+    first candidate. On two
     cores the demo's model's candidates differ by 10-20% a step, about as much as its steps
     vary, while the reversal model's differ by 15-20% with steps that vary less."""
 
@@ -57,14 +64,22 @@ class ThreadChoice:
         min_trials: int = MIN_TRIALS,
         max_trials: int = MAX_TRIALS,
         warmup: int = WARMUP_STEPS,
+        longest_step_s: float = LONGEST_TRIED_STEP_S,
     ) -> None:
-        if not choices or min(choices) < 1 or not 1 <= min_trials <= max_trials or warmup < 0:
+        if (
+            not choices
+            or min(choices) < 1
+            or not 1 <= min_trials <= max_trials
+            or min(warmup, longest_step_s) < 0
+        ):
             raise ValueError(
-                "ThreadChoice needs thread counts >= 1, 1 <= min_trials <= max_trials, warmup >= 0"
+                "ThreadChoice needs thread counts >= 1, 1 <= min_trials <= max_trials, warmup >= 0, "
+                "longest_step_s >= 0"
             )
         self.choices = tuple(choices)
         self.min_trials, self.max_trials = min_trials, max_trials
         self.warmup = warmup
+        self.longest_step_s = longest_step_s
         self.chosen: int | None = self.choices[0] if len(self.choices) == 1 else None
         """The count kept, once the trials are over (at once with one candidate)."""
         self.seconds_per_token: dict[int, list[float]] = {count: [] for count in self.choices}
@@ -82,6 +97,9 @@ class ThreadChoice:
         of the warm-up, is not timed)."""
         timed = self._steps >= self.warmup
         self._steps += 1
+        if self.chosen is None and not timed and self._steps > 1 and seconds > self.longest_step_s:
+            self.chosen = self.choices[0]
+            log.info("trainer steps on %d torch threads, untried: a step took %.1f s", self.chosen, seconds)
         if self.chosen is not None or not timed or tokens <= 0 or threads not in self.seconds_per_token:
             return
         self.seconds_per_token[threads].append(seconds / tokens)

@@ -73,7 +73,7 @@ def test_overlapping_steps_are_timed_until_the_most_trials_and_the_lower_median_
 
 def test_steps_without_tokens_and_warmup_steps_are_not_timed() -> None:
     choice = ThreadChoice((2, 1), min_trials=1, max_trials=1, warmup=1)
-    choice.record(2, 99.0, 100)  # warm-up: a slow first step does not count
+    choice.record(2, 4.0, 100)  # warm-up: a slow first step does not count
     choice.record(1, 1.0, 0)  # nothing trained: not timed
     assert choice.chosen is None and choice.seconds_per_token == {2: [], 1: []}
     choice.record(2, 0.01, 100)
@@ -99,7 +99,27 @@ def test_one_slow_step_of_the_faster_candidate_keeps_the_trials_going() -> None:
     assert choice.chosen is None
 
 
-@pytest.mark.parametrize("args", [((),), ((0, 1),), ((2, 1), 0), ((2, 1), 3, 2), ((2, 1), 1, 1, -1)])
+def test_a_long_warmup_step_keeps_all_the_threads_untried(caplog: pytest.LogCaptureFixture) -> None:
+    choice = ThreadChoice((2, 1), warmup=2, longest_step_s=5.0)
+    choice.record(2, 40.0, 100)  # the first step: its one-off work does not count
+    assert choice.chosen is None
+    with caplog.at_level(logging.INFO, logger="services.trainer.threads"):
+        choice.record(2, 30.0, 100)
+    assert choice.chosen == 2 and choice.next() == 2
+    assert "untried: a step took 30.0 s" in caplog.text
+
+
+def test_long_steps_after_the_warmup_are_tried_as_any() -> None:
+    choice = ThreadChoice((2, 1), min_trials=1, max_trials=1, warmup=1, longest_step_s=5.0)
+    choice.record(2, 1.0, 100)
+    choice.record(2, 9.0, 100)
+    choice.record(1, 6.0, 100)
+    assert choice.chosen == 1
+
+
+@pytest.mark.parametrize(
+    "args", [((),), ((0, 1),), ((2, 1), 0), ((2, 1), 3, 2), ((2, 1), 1, 1, -1), ((2, 1), 1, 1, 0, -1.0)]
+)
 def test_bad_settings_are_refused(args: tuple) -> None:
     with pytest.raises(ValueError, match="ThreadChoice needs"):
         ThreadChoice(*args)
