@@ -54,9 +54,9 @@ class ThreadChoice:
     its median below every step of the others, its slowest step below their medians) or
     ``max_trials`` each are timed (then the lower median wins); then that one for good. A warm-up
     step but the first (its one-off work) longer than ``longest_step_s`` ends it at once, on the
-    first candidate. On two
-    cores the demo's model's candidates differ by 10-20% a step, about as much as its steps
-    vary, while the reversal model's differ by 15-20% with steps that vary less."""
+    first candidate. On two cores the demo's model's candidates differ by 10-20% a step, about
+    as much as its steps vary, while the reversal model's differ by 15-20% with steps that vary
+    less."""
 
     def __init__(
         self,
