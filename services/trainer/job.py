@@ -141,6 +141,8 @@ class JobRun:
         """The last step's report, made once its weights are out (``_settle``)."""
         self.threads: ThreadChoice | None = None
         """The torch threads of each step (set at the first, when the process group is known)."""
+        self.step_threads = 0
+        """The torch threads the last step optimised on (its ``torch_threads`` metric)."""
 
     async def run(self) -> None:
         self.filters = check_supported(self.spec)
@@ -407,7 +409,7 @@ class JobRun:
             self._enter(trainer_pb2.TRAINER_STATE_TRAINING)
             started = time.monotonic()
             prepared, stats = await asyncio.to_thread(self._optimise, groups)
-            optimised = time.monotonic()
+            optimised, threads = time.monotonic(), self.step_threads
             await self._settle()  # the previous step's weights and report are out: in order
             self.version += 1
             self._enter(trainer_pb2.TRAINER_STATE_SAVING)
@@ -430,7 +432,7 @@ class JobRun:
             written = published.bytes_written + (saved.bytes_written if saved is not None else 0)
             publish_s, checkpoint_s = published_at - optimised, saved_at - published_at
             times = StepTimes(optimised - started, publish_s, checkpoint_s, written, wait_s, write_s)
-            await self._publish_metrics(stats, prepared, times, groups, stages, version, drops)
+            await self._publish_metrics(stats, prepared, times, groups, stages, version, drops, threads)
 
         self._reported = asyncio.ensure_future(report())
 
@@ -447,7 +449,7 @@ class JobRun:
         if self.threads is None:
             tune = self.settings.thread_tuning and self.device.type == "cpu" and distributed.size() == 1
             self.threads = ThreadChoice(candidates(job_threads(self.settings.torch_threads), tune))
-        threads = self.threads.next()
+        threads = self.step_threads = self.threads.next()
         torch.set_num_threads(threads)
         started = time.perf_counter()
         members = [group.ordered() for group in groups]
@@ -470,8 +472,11 @@ class JobRun:
         stages: dict[str, float],
         version: int,
         drops: DropCounts,
+        threads: int,
     ) -> None:
+        """The step's trainer Metric (``threads``: the torch threads it optimised on)."""
         values = step_metric_values(stats, prepared, times, drops) | stages
+        values["torch_threads"] = float(threads)
         if self.spec.rollout.max_turns > 1:
             values["tool_use_rate"] = tool_use_rate(groups)
         await self.bus.publish_metric(self.job_id, "trainer", values, step=version, policy_version=version)

@@ -33,6 +33,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.job import JOB_GROUP, TRAJECTORY_GROUP
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.server import registrar
+from services.trainer.threads import job_threads
 from services.trainer.worker import TrainerWorker
 from tests.helpers import eventually, lineage_trained_ids, metrics_of, serve, step_metrics, stream_messages
 from tests.integration.rollout_helpers import tiny_llama
@@ -320,6 +321,8 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         assert metrics[2]["stale_groups_dropped"] == 1 and metrics[1]["stale_groups_dropped"] == 0
         assert metrics[1]["duplicates_skipped"] + metrics[2]["duplicates_skipped"] == 2
         assert all(m["grad_norm"] > 0 and m["tokens_per_s"] > 0 for m in metrics.values())
+        first_threads = job_threads(worker.settings.torch_threads)  # steps 1-2 warm up on it
+        assert [m["torch_threads"] for m in metrics.values()] == [float(first_threads)] * 2
 
         # The same job again with one more step: it resumes from v2 and trains nothing twice.
         await resume_for_one_more_step(bus, job_id, runs, model_dir, trained, resent=step1[2])
