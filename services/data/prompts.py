@@ -146,7 +146,7 @@ def encode_prompt(
     example = _example(prompt)
     messages = prompt_messages(tokenizer, example, settings)
     if messages is None:
-        ids = list(tokenizer(example.text, add_special_tokens=False)["input_ids"])
+        ids = encode_text(tokenizer, example.text)
         bos = tokenizer.bos_token_id
         if bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, int(bos))
@@ -161,6 +161,39 @@ def encode_prompt(
             f"prompt is {len(ids)} tokens, above the limit of {max_tokens}: {example.text[:80]!r}"
         )
     return ids
+
+
+def encode_text(tokenizer: PromptTokenizer, text: str) -> list[int]:
+    """``text``'s token ids without special tokens, as ``tokenizer(text, add_special_tokens=False)``
+    gives them.
+
+    A fast tokenizer that encodes as transformers' does, whose backend neither truncates nor pads
+    and splits special tokens as the tokenizer says, encodes through its Rust backend directly:
+    ``__call__`` around that same ``encode`` costs five times the encoding (42 against 7.7 us for
+    a short prompt): it was a fifth of the controller's CPU per issued prompt.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _encodes_plainly(tokenizer, backend):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(backend.encode(text, add_special_tokens=False).ids)
+
+
+def _encodes_plainly(tokenizer: Any, backend: Any) -> bool:
+    """Whether ``tokenizer(text, add_special_tokens=False)`` is its backend's ``encode`` as the
+    backend is set now (``__call__`` turns truncation and padding off, and sets whether special
+    tokens' text splits, before it encodes)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    kind = type(tokenizer)
+    return (
+        kind.__call__ is PreTrainedTokenizerBase.__call__
+        and getattr(kind, "_encode_plus", None) is PreTrainedTokenizerFast._encode_plus
+        and not getattr(tokenizer, "_in_target_context_manager", False)
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    )
 
 
 def _example(prompt: str | PromptExample) -> PromptExample:
