@@ -121,6 +121,15 @@ def test_tensorboard_scalars_read_back_exactly_in_the_checkpoint_directory(tmp_p
     assert {wall for *_, wall in scalar_events(directory)} == {1000.0 + s for s in range(1, 6)}
 
 
+def test_tensorboard_records_are_checksummed_in_c() -> None:
+    """tensorboardX checksums each record with the ``crc32c`` package when it is installed (a
+    dependency), else in Python (~47 us a 200-byte record, two checksums a scalar). The event
+    files read back above whichever it is."""
+    import tensorboardX.crc32c
+
+    assert tensorboardX.crc32c._crc32c_native is not None
+
+
 def test_a_restart_replaying_the_history_duplicates_no_step(tmp_path: Path) -> None:
     spec = spec_with(tmp_path, {"type": "tensorboard"})
     assert tracked(spec, tmp_path, rows(range(1, 4)), rows(range(1, 7))) == []
