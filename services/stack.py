@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import IO
 
 from services.common.healthcheck import grpc_serving, http_ok
-from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
+from services.common.parented import parented
+from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.service_logs import log_path as service_log_path
 from services.stack_ports import check_free, port_layout
 from services.supervisor import RestartPolicy, Supervisor
@@ -272,16 +273,14 @@ class Stack:
         if why:
             child.log_file.write(f"--- verst: starting {child.name} again ({why}) ---\n".encode())
             child.log_file.flush()
-        parent = os.getpid()
         try:
             child.process = subprocess.Popen(
-                child.args,
+                parented(child.args),  # dies with this process
                 env=child.env,
                 stdout=child.log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches `verst`, which stops children in order
-                preexec_fn=lambda: die_with_parent(parent),
             )
         except OSError:
             child.log_file.close()

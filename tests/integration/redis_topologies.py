@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import os
 import ssl
 import subprocess
 import tempfile
@@ -22,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from services.common.redis_server import die_with_parent, free_port, redis_server_binary
+from services.common.parented import parented
+from services.common.redis_server import free_port, redis_server_binary
 
 START_TIMEOUT_S = 15.0
 START_ATTEMPTS = 3
@@ -82,12 +82,10 @@ def _launch(workdir: Path, port: int, args: tuple[str, ...], config: str) -> Nod
         command.append(str(path))
     command += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
                 "--appendonly", "no", "--loglevel", "warning", *args]  # fmt: skip
-    parent = os.getpid()
     with (workdir / f"redis-{port}.log").open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: die_with_parent(parent),
-        )  # fmt: skip
+            parented(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     return Node(port, process)
 
 

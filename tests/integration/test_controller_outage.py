@@ -21,7 +21,7 @@ from tests.integration.test_controller import services as services  # a fixture
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path / "redis") as started:
+    with EmbeddedRedis(tmp_path / "redis", appendfsync="always") as started:  # SIGKILLed
         yield started
 
 

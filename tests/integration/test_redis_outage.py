@@ -29,7 +29,9 @@ Task = common_pb2.PromptTask
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path / "redis") as started:
+    # "always": a write held back by a slow fsync must not die with the SIGKILL (what is
+    # checked is riding through the outage, not everysec's window).
+    with EmbeddedRedis(tmp_path / "redis", appendfsync="always") as started:
         yield started
 
 

@@ -88,7 +88,7 @@ async def harness(
     python: str,
     python_env: dict[str, str],
 ) -> AsyncIterator[Harness]:
-    with EmbeddedRedis(tmp_path / "redis") as server:
+    with EmbeddedRedis(tmp_path / "redis", appendfsync="always") as server:  # SIGKILLed
         bus = Bus(connect(server.url, outage_s=120.0))  # the test's own calls ride through too
         yield Harness(server, bus, model_dir, tmp_path / "runs", python, python_env)
         await bus.close()

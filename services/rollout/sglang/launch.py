@@ -8,7 +8,6 @@ fails to start.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,11 +16,12 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from services.common.parented import parented
+
 DEFAULT_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Report log p of the sampled token under the raw logits (temperature 1, before top-k/top-p),
 as the torch engine and the trainer do; SGLang's default is after temperature scaling."""
 _LOG_TAIL_BYTES = 4000
-_PR_SET_PDEATHSIG = 1
 
 
 def sglang_command(
@@ -60,14 +60,6 @@ def sglang_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **DEFAULT_ENV, **(env or {})}
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that launched it dies (Linux), so a
-    killed engine does not leave a server holding the GPU."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class SGLangProcess:
     """One launched server: the child process and its log file."""
 
@@ -80,13 +72,12 @@ class SGLangProcess:
         self.log_path = log_path
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.command,
+                parented(self.command),  # a killed engine leaves no server holding the GPU
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 start_new_session=True,  # its own process group: stop() reaches its children
-                preexec_fn=_die_with_parent,
             )
 
     @property
