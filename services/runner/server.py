@@ -55,6 +55,7 @@ from services.runner.group import (
 )
 from services.runner.publishing import GroupPublisher
 from services.runner.shaping import load_shapings, shape_rewards
+from services.runner.spliced import head
 from services.runner.strategy import check_trajectories, load_strategy
 from services.runner.telemetry import RunnerMetrics
 
@@ -89,7 +90,7 @@ def stamp_stages(
     """Add the stages the runner sees to the trajectories' StageTimes (roll-outs add the rest)."""
     issued = task.created_at.ToNanoseconds() / 1e9 if task.HasField("created_at") else 0.0
     published = time.time()
-    for trajectory in trajectories:
+    for trajectory in map(head, trajectories):
         stages = trajectory.stages
         stages.issued, stages.picked, stages.published = issued, picked, published
 
@@ -321,7 +322,7 @@ class Runner:
         roll_out = roll_out_group_spliced if strategy.fn is roll_out_group else strategy.fn
         trajectories = await roll_out(task, clients)
         check_trajectories(strategy.name, task, trajectories)
-        for trajectory in trajectories:  # provenance: which strategy made it
+        for trajectory in map(head, trajectories):  # provenance: which strategy made it
             trajectory.metadata[STRATEGY_KEY] = strategy.name
         budget = task.sampling.max_new_tokens or spec.rollout.max_new_tokens
         shape_rewards(trajectories, shapings, task, max_new_tokens=budget, tokenizer=clients.tokenizer)

@@ -29,6 +29,7 @@ from services.common.shaping import (
     check_shaping_options,
 )
 from services.runner.group import InvalidTaskError
+from services.runner.spliced import head
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +70,9 @@ def shape_rewards(
 ) -> None:
     """Keep each trajectory's reward as its ``verifier_reward``, then set its ``reward`` to what
     the shapings make of the group's rewards (in place)."""
-    ordered = sorted(trajectories, key=lambda t: t.sample_index)
-    for trajectory in ordered:
-        trajectory.verifier_reward = trajectory.reward
+    ordered = sorted(trajectories, key=lambda t: head(t).sample_index)
+    for fields in map(head, ordered):
+        fields.verifier_reward = fields.reward
     if not shapings:
         return
     texts: tuple[str, ...] = ()

@@ -20,7 +20,7 @@ from typing import Any
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.common.pb import common_pb2, reward_pb2, rollout_pb2
-from services.common.wire import record
+from services.common.wire import LENGTH_DELIMITED, record, varint
 
 Trajectory = common_pb2.Trajectory
 ARRAYS = frozenset({"response_token_ids", "behaviour_logprobs", "policy_versions", "loss_mask"})
@@ -40,7 +40,7 @@ def packed_batch(data: bytes) -> rollout_pb2.PackedGenerateBatchResponse:
     sender may encode an array unpacked or in several pieces (the format allows both; verst's
     own never do): then the arrays are parsed whole and packed again, so nothing is lost."""
     view = rollout_pb2.PackedGenerateBatchResponse.FromString(data)
-    if view.ByteSize() == len(data) and not any(
+    if _byte_size(view) == len(data) and not any(
         len(UnknownFieldSet(completion))
         for result in view.results
         for completion in result.response.completions
@@ -48,6 +48,13 @@ def packed_batch(data: bytes) -> rollout_pb2.PackedGenerateBatchResponse:
         return view
     full = rollout_pb2.GenerateBatchResponse.FromString(data)
     return rollout_pb2.PackedGenerateBatchResponse.FromString(full.SerializeToString())
+
+
+def _byte_size(view: rollout_pb2.PackedGenerateBatchResponse) -> int:
+    """``view.ByteSize()``, as its results' records: the same number without encoding the whole
+    reply into one buffer (3.3 -> 0.35 ms a step's reply of 64 groups of 8 x 1,000 tokens)."""
+    key = len(_key(rollout_pb2.PackedGenerateBatchResponse.RESULTS_FIELD_NUMBER))
+    return sum(key + len(varint(size)) + size for size in (result.ByteSize() for result in view.results))
 
 
 def packed_response(response: rollout_pb2.GenerateResponse) -> rollout_pb2.PackedGenerateResponse:
@@ -81,11 +88,15 @@ def lengths(packed: rollout_pb2.PackedCompletion) -> tuple[int, int, int]:
     return varint_count(packed.token_ids), logprobs if not rest else -1, varint_count(packed.policy_versions)
 
 
-_TAIL_FIELDS = (
-    (Trajectory.RESPONSE_TOKEN_IDS_FIELD_NUMBER, "token_ids"),
-    (Trajectory.BEHAVIOUR_LOGPROBS_FIELD_NUMBER, "logprobs"),
-    (Trajectory.POLICY_VERSIONS_FIELD_NUMBER, "policy_versions"),
-)
+def _key(number: int) -> bytes:
+    """A length-delimited (packed) field's key, as the wire format lays it."""
+    return varint(number << 3 | LENGTH_DELIMITED)
+
+
+_TOKEN_IDS_KEY = _key(Trajectory.RESPONSE_TOKEN_IDS_FIELD_NUMBER)
+_LOGPROBS_KEY = _key(Trajectory.BEHAVIOUR_LOGPROBS_FIELD_NUMBER)
+_VERSIONS_KEY = _key(Trajectory.POLICY_VERSIONS_FIELD_NUMBER)
+_LOSS_MASK_KEY = _key(Trajectory.LOSS_MASK_FIELD_NUMBER)
 
 
 class SplicedTrajectory:
@@ -100,12 +111,19 @@ class SplicedTrajectory:
     def __init__(self, head: Trajectory, completion: rollout_pb2.PackedCompletion) -> None:
         """``completion``'s arrays align (``group.generate_packed`` checked them): its tokens are
         its logprobs' bytes over four, counted without reading a varint."""
-        tokens = len(completion.logprobs) // _FLOAT_BYTES
-        parts = [record(number, getattr(completion, name)) for number, name in _TAIL_FIELDS if tokens]
-        if tokens:
-            parts.append(record(Trajectory.LOSS_MASK_FIELD_NUMBER, b"\x01" * tokens))
+        logprobs = completion.logprobs
+        tokens = len(logprobs) // _FLOAT_BYTES
+        tail = b""
+        if tokens:  # the records joined in one copy: key, payload length, payload
+            token_ids, versions = completion.token_ids, completion.policy_versions
+            tail = b"".join((
+                _TOKEN_IDS_KEY, varint(len(token_ids)), token_ids,
+                _LOGPROBS_KEY, varint(len(logprobs)), logprobs,
+                _VERSIONS_KEY, varint(len(versions)), versions,
+                _LOSS_MASK_KEY, varint(tokens), b"\x01" * tokens,
+            ))  # fmt: skip
         object.__setattr__(self, "_head", head)
-        object.__setattr__(self, "_tail", b"".join(parts))
+        object.__setattr__(self, "_tail", tail)
         object.__setattr__(self, "_lengths", (tokens,) * 4)
 
     def __getattr__(self, name: str) -> Any:  # what the slots and the class lack: the head's
@@ -130,6 +148,12 @@ class SplicedTrajectory:
 
     def SerializeToString(self) -> bytes:  # the protobuf method it stands for
         return self._head.SerializeToString() + self._tail
+
+
+def head(trajectory: Trajectory | SplicedTrajectory) -> Trajectory:
+    """The message that holds the trajectory's other fields than its arrays: reading those from
+    it skips the SplicedTrajectory's attribute forwarding (a Python call each)."""
+    return trajectory._head if isinstance(trajectory, SplicedTrajectory) else trajectory
 
 
 def array_lengths(trajectory: Trajectory | SplicedTrajectory) -> tuple[int, int, int, int]:

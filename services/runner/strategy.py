@@ -57,7 +57,7 @@ from services.runner.group import (
     resume,
     run_all,
 )
-from services.runner.spliced import array_lengths
+from services.runner.spliced import array_lengths, head
 
 __all__ = [
     "GroupClients",
@@ -107,11 +107,12 @@ def check_trajectories(
     """``InvalidTaskError`` naming the strategy when what it returned is not the task's group:
     one trajectory per sample, of this task, tokens aligned. A strategy that is wrong once is
     wrong on every retry, so its task is dead-lettered rather than retried."""
-    indices = sorted(t.sample_index for t in trajectories)
+    heads = [head(t) for t in trajectories]
+    indices = sorted(t.sample_index for t in heads)
     if indices != list(range(task.n_samples)):
         raise InvalidTaskError(f"{FIELD} {name!r} returned samples {indices} for n_samples={task.n_samples}")
-    for t in trajectories:
-        sizes = set(array_lengths(t))
+    for trajectory, t in zip(trajectories, heads, strict=True):
+        sizes = set(array_lengths(trajectory))
         if (t.job_id, t.prompt_id) != (task.job_id, task.prompt_id) or len(sizes) != 1:
             raise InvalidTaskError(
                 f"{FIELD} {name!r}: trajectory {t.id!r} is not of task {task.prompt_id!r}"

@@ -143,6 +143,39 @@ def test_a_reply_with_unpacked_arrays_is_read_whole() -> None:
     assert token_ids(got) == ids
 
 
+def test_a_reply_whose_arrays_come_in_pieces_is_read_whole() -> None:
+    """Each array packed in two records (a merge of two encodings does that): the packed view
+    would keep the last piece of each, aligned, so only the size check sees what was lost."""
+    first, second = completion(0, [3, 300]), completion(0, [4, 5])
+    first.ClearField("text")
+    second.ClearField("text")
+    raw = first.SerializeToString() + second.SerializeToString()
+    response = rollout_pb2.GenerateResponse(request_id="r").SerializeToString() + record(2, raw)
+    data = record(1, record(1, response)) + record(
+        1, record(1, rollout_pb2.GenerateResponse().SerializeToString())
+    )
+    parsed = rollout_pb2.GenerateBatchResponse.FromString(data)
+    assert list(parsed.results[0].response.completions[0].token_ids) == [3, 300, 4, 5]
+
+    view = packed_batch(data)
+    [got] = view.results[0].response.completions
+    assert token_ids(got) == [3, 300, 4, 5]
+    assert len(got.logprobs) == 16 and varint_count(got.policy_versions) == 4
+    assert len(view.results) == 2
+
+
+def test_a_whole_reply_is_read_as_it_came() -> None:
+    batch = rollout_pb2.GenerateBatchResponse()
+    for request in range(3):
+        batch.results.add().response.CopyFrom(
+            rollout_pb2.GenerateResponse(request_id=f"r{request}", completions=[completion(0, [1] * 200)])
+        )
+    batch.results.add(code=5, details="no such job")
+    data = batch.SerializeToString()
+    view = packed_batch(data)
+    assert view.SerializeToString() == data
+
+
 class BatchStub:
     """A router stub whose GenerateBatch answers each request with one completion."""
 
