@@ -473,6 +473,7 @@ def _group_template(task: common_pb2.PromptTask, stages: common_pb2.StageTimes) 
     # extend copies a message's repeated field in C; the constructor iterates it in Python
     template.prompt_token_ids.extend(task.prompt_token_ids)
     template.metadata["task_policy_version"] = str(task.policy_version)
+    template.metadata["resumes"] = "0"  # a resumed sample's trajectory sets its own count
     seconds, nanos = divmod(time.time_ns(), 1_000_000_000)
     template.created_at.seconds, template.created_at.nanos = seconds, nanos
     return template
@@ -519,7 +520,6 @@ def _trajectory_head(
     trajectory.engine_id = engine_id
     if score.components:
         trajectory.reward_components.update(score.components)
-    trajectory.metadata["resumes"] = "0"
     return trajectory
 
 
