@@ -252,6 +252,26 @@ def packed_batch_call(channel: grpc.aio.Channel) -> PackedBatchCall:
     )
 
 
+JoinedScoreCall = Callable[..., Awaitable[reward_pb2.ScoreBatchResponse]]
+"""The reward service's ScoreBatch called with a list of ScoreBatchRequests (``joined_score_call``)."""
+
+
+def joined_requests(requests: Sequence[reward_pb2.ScoreBatchRequest]) -> bytes:
+    """One ScoreBatchRequest of all the requests' items, in order. Its only field is the repeated
+    ``items``, so a message is its items' records and the requests' bytes joined are the merged
+    request's (wire.py): no item is copied into a merged message first."""
+    return b"".join(request.SerializeToString() for request in requests)
+
+
+def joined_score_call(channel: grpc.aio.Channel) -> JoinedScoreCall:
+    """The reward service's ScoreBatch on ``channel``, sent ``joined_requests``."""
+    return channel.unary_unary(
+        "/verst.v1.Reward/ScoreBatch",
+        request_serializer=joined_requests,
+        response_deserializer=reward_pb2.ScoreBatchResponse.FromString,
+    )
+
+
 class _CoalescingStub:
     """A stub whose one batched method is coalesced (``_calls``); its other methods are the stub's own."""
 
@@ -349,8 +369,12 @@ class CoalescingReward(_CoalescingStub):
         window_s: float,
         max_calls: int,
         observe: Callable[[int], None] | None = None,
+        joined_call: JoinedScoreCall | None = None,
     ) -> None:
         self.stub = stub
+        self._joined_call = joined_call
+        """ScoreBatch sent the requests' bytes joined (``joined_score_call``); None: the stub's,
+        sent a merged request."""
         self._calls = Coalescer[reward_pb2.ScoreBatchRequest, reward_pb2.ScoreBatchResponse](
             self._send, window_s=window_s, max_calls=max_calls, name="reward ScoreBatch", observe=observe
         )
@@ -390,14 +414,20 @@ class CoalescingReward(_CoalescingStub):
     ) -> list[Outcome[reward_pb2.ScoreBatchResponse]]:
         if len(requests) == 1:
             return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
-        merged = reward_pb2.ScoreBatchRequest(items=[item for request in requests for item in request.items])
+        items = sum(len(request.items) for request in requests)
         try:
-            reply = await self.stub.ScoreBatch(merged, timeout=latest(timeouts))
+            if self._joined_call is not None:
+                reply = await self._joined_call(requests, timeout=latest(timeouts))
+            else:
+                merged = reward_pb2.ScoreBatchRequest(
+                    items=[i for request in requests for i in request.items]
+                )
+                reply = await self.stub.ScoreBatch(merged, timeout=latest(timeouts))
         except grpc.aio.AioRpcError as err:
             if err.code() in SHARED_FAILURES:
                 return [err] * len(requests)
             return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
-        if len(reply.results) != len(merged.items):  # each group's own call tells whose it is
+        if len(reply.results) != items:  # each group's own call tells whose it is
             return await one_by_one(self.stub.ScoreBatch, requests, timeouts)
         results: list[Outcome[reward_pb2.ScoreBatchResponse]] = []
         start = 0

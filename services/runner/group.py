@@ -262,13 +262,12 @@ async def roll_out_group_spliced(task: common_pb2.PromptTask, clients: GroupClie
             texts[i] = text
     with_ids = not await text_only(clients.reward, task.verifier)
     template = _score_template(task, with_ids)
-    items = []
+    batch = reward_pb2.ScoreBatchRequest()
     for c, text in zip(packed, texts, strict=True):
-        item = _score_item(template, c.index, text or "")
+        item = _score_item(batch, template, c.index, text or "")
         if with_ids:
             merge_token_ids(item, c)
-        items.append(item)
-    scores = await _score_items(items, clients)
+    scores = await _score_items(batch, clients)
     template = _group_template(task, common_pb2.StageTimes(generated=generated, scored=time.time()))
     return [
         SplicedTrajectory(_trajectory_head(template, c, reply.engine_id, score), c)
@@ -402,8 +401,11 @@ def _score_template(task: common_pb2.PromptTask, token_ids: bool) -> reward_pb2.
     return template
 
 
-def _score_item(template: reward_pb2.ScoreRequest, index: int, text: str) -> reward_pb2.ScoreRequest:
-    request = reward_pb2.ScoreRequest()
+def _score_item(
+    batch: reward_pb2.ScoreBatchRequest, template: reward_pb2.ScoreRequest, index: int, text: str
+) -> reward_pb2.ScoreRequest:
+    """A new item of ``batch`` (built in place: a list of items would be copied into it)."""
+    request = batch.items.add()
     request.CopyFrom(template)
     request.trajectory_id = f"{template.prompt_id}:{index}"
     request.response_text = text
@@ -412,11 +414,15 @@ def _score_item(template: reward_pb2.ScoreRequest, index: int, text: str) -> rew
 
 
 def _score_request(
-    template: reward_pb2.ScoreRequest, sample: Sample, text: str, token_ids: bool
+    batch: reward_pb2.ScoreBatchRequest,
+    template: reward_pb2.ScoreRequest,
+    sample: Sample,
+    text: str,
+    token_ids: bool,
 ) -> reward_pb2.ScoreRequest:
     """An episode is scored on its last turn's text; its whole response is the transcript."""
     final = text if sample.final_text is None else sample.final_text
-    request = _score_item(template, sample.completion.index, final)
+    request = _score_item(batch, template, sample.completion.index, final)
     request.num_turns = sample.num_turns
     if token_ids:
         request.response_token_ids.extend(sample.completion.token_ids)
@@ -432,22 +438,23 @@ async def _score(
 ) -> list[reward_pb2.ScoreResponse]:
     token_ids = not await text_only(clients.reward, task.verifier)
     template = _score_template(task, token_ids)
-    items = [_score_request(template, s, text, token_ids) for s, text in zip(samples, texts, strict=True)]
-    return await _score_items(items, clients)
+    batch = reward_pb2.ScoreBatchRequest()
+    for sample, text in zip(samples, texts, strict=True):
+        _score_request(batch, template, sample, text, token_ids)
+    return await _score_items(batch, clients)
 
 
 async def _score_items(
-    items: list[reward_pb2.ScoreRequest], clients: GroupClients
+    batch: reward_pb2.ScoreBatchRequest, clients: GroupClients
 ) -> list[reward_pb2.ScoreResponse]:
-    batch = reward_pb2.ScoreBatchRequest(items=items)
     reply = await call(
         "reward ScoreBatch",
         clients.retry_s,
         lambda: clients.reward.ScoreBatch(batch, timeout=clients.reward_timeout_s),
     )
-    if len(reply.results) != len(items):
+    if len(reply.results) != len(batch.items):
         raise RetryLaterError(
-            f"reward ScoreBatch returned {len(reply.results)} results for {len(items)} items"
+            f"reward ScoreBatch returned {len(reply.results)} results for {len(batch.items)} items"
         )
     return list(reply.results)
 

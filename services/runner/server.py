@@ -43,7 +43,7 @@ from services.common.pb import common_pb2, reward_pb2_grpc, router_pb2_grpc
 from services.common.redis_client import RedisTarget
 from services.common.settings import load_settings, redis_target, setup_logging
 from services.common.streams import RUNNERS_GROUP, JobStreams
-from services.runner.batching import CoalescingReward, CoalescingRouter, packed_batch_call
+from services.runner.batching import CoalescingReward, CoalescingRouter, joined_score_call, packed_batch_call
 from services.runner.config import RunnerSettings
 from services.runner.group import (
     GroupClients,
@@ -380,9 +380,10 @@ class Runner:
 
     def _reward(self, address: str) -> CoalescingReward:
         if address not in self._rewards:
-            stub = reward_pb2_grpc.RewardStub(self._channels.get(address))
+            channel = self._channels.get(address)
             self._rewards[address] = CoalescingReward(
-                stub,
+                reward_pb2_grpc.RewardStub(channel),
+                joined_call=joined_score_call(channel),
                 window_s=self.settings.batch_window_s,
                 max_calls=self.settings.batch_max_calls,
                 observe=self.metrics.batch_observer("score"),

@@ -9,7 +9,13 @@ import grpc
 import pytest
 
 from services.common.pb import reward_pb2, rollout_pb2
-from services.runner.batching import HEAP_SWEEP_AT, CoalescingReward, CoalescingRouter, rpc_error
+from services.runner.batching import (
+    HEAP_SWEEP_AT,
+    CoalescingReward,
+    CoalescingRouter,
+    joined_requests,
+    rpc_error,
+)
 from services.runner.group import InvalidTaskError, call
 
 WINDOW_S = 0.005
@@ -197,9 +203,38 @@ def score_batch(*texts: str) -> reward_pb2.ScoreBatchRequest:
     return reward_pb2.ScoreBatchRequest(items=[reward_pb2.ScoreRequest(response_text=text) for text in texts])
 
 
-async def test_score_batches_are_merged_and_split_back_in_order() -> None:
+def coalescing_reward(stub: FakeRewardStub, joined: bool) -> CoalescingReward:
+    """The runner's client of ``stub``: sending the groups' requests joined as bytes (as on a
+    channel, ``joined_score_call``), or a merged request through the stub."""
+
+    async def joined_call(
+        requests: list[reward_pb2.ScoreBatchRequest], timeout: float | None = None
+    ) -> reward_pb2.ScoreBatchResponse:
+        return await stub.ScoreBatch(
+            reward_pb2.ScoreBatchRequest.FromString(joined_requests(requests)), timeout
+        )
+
+    return CoalescingReward(
+        stub,  # type: ignore[arg-type]
+        window_s=WINDOW_S,
+        max_calls=64,
+        joined_call=joined_call if joined else None,
+    )
+
+
+def test_a_score_batch_request_is_its_items_alone() -> None:
+    """What lets ``joined_requests`` join requests' bytes: a field besides ``items`` would be
+    repeated, or overwritten, in the joined message."""
+    assert [f.name for f in reward_pb2.ScoreBatchRequest.DESCRIPTOR.fields] == ["items"]
+    requests = [score_batch("a", "bb"), score_batch(), score_batch("ccc")]
+    merged = reward_pb2.ScoreBatchRequest.FromString(joined_requests(requests))
+    assert [item.response_text for item in merged.items] == ["a", "bb", "ccc"]
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "merged"])
+async def test_score_batches_are_merged_and_split_back_in_order(joined: bool) -> None:
     stub = FakeRewardStub()
-    reward = CoalescingReward(stub, window_s=WINDOW_S, max_calls=64)  # type: ignore[arg-type]
+    reward = coalescing_reward(stub, joined)
     replies = await asyncio.gather(
         reward.ScoreBatch(score_batch("a", "bb"), timeout=5),
         reward.ScoreBatch(score_batch("ccc"), timeout=5),
@@ -209,9 +244,10 @@ async def test_score_batches_are_merged_and_split_back_in_order() -> None:
     assert stub.batches == [["a", "bb", "ccc", "dddd", "e", "ff"]]
 
 
-async def test_a_merged_score_batch_refused_as_a_whole_is_sent_again_per_group() -> None:
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "merged"])
+async def test_a_merged_score_batch_refused_as_a_whole_is_sent_again_per_group(joined: bool) -> None:
     stub = FakeRewardStub()
-    reward = CoalescingReward(stub, window_s=WINDOW_S, max_calls=64)  # type: ignore[arg-type]
+    reward = coalescing_reward(stub, joined)
     outcomes = await asyncio.gather(
         reward.ScoreBatch(score_batch("a", "bb"), timeout=5),
         reward.ScoreBatch(score_batch("poison"), timeout=5),
