@@ -65,11 +65,14 @@ def to_response(result: VerifierResult) -> reward_pb2.ScoreResponse:
     """The ScoreResponse of a verifier's result; raises VerifierOutputError when it is malformed."""
     try:
         reward, components, info = result
-        response = reward_pb2.ScoreResponse(
-            reward=float(reward),
-            components={str(k): float(v) for k, v in components.items()},
-            info={str(k): str(v) for k, v in info.items()},
-        )
+        response = reward_pb2.ScoreResponse(reward=float(reward))
+        # item by item: a protobuf map's update (and a constructor given a dict) goes through
+        # MutableMapping's generic Python code, 3x slower for a verifier's few components
+        response_components, response_info = response.components, response.info
+        for name, value in components.items():
+            response_components[str(name)] = float(value)
+        for name, text in info.items():
+            response_info[str(name)] = str(text)
     except (TypeError, ValueError, AttributeError) as err:
         raise VerifierOutputError(
             f"expected (reward, components, info), got {result!r:.200}: {err}"
