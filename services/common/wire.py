@@ -24,9 +24,14 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
+def key(number: int) -> bytes:
+    """The key of field ``number`` when length-delimited (a message, bytes, a packed array)."""
+    return varint(number << 3 | LENGTH_DELIMITED)
+
+
 def record(number: int, payload: bytes) -> bytes:
     """``payload`` (a message's bytes) as field ``number`` of an enclosing message."""
-    return varint(number << 3 | LENGTH_DELIMITED) + varint(len(payload)) + payload
+    return key(number) + varint(len(payload)) + payload
 
 
 def records(data: bytes, number: int) -> list[memoryview]:

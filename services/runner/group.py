@@ -38,6 +38,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from services.common.config import RolloutConfig
 from services.common.job_tokenizer import decode_texts
 from services.common.pb import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, router_pb2_grpc
+from services.common.wire import record
 from services.runner.batching import CoalescingReward, CoalescingRouter
 from services.runner.spliced import (
     SplicedTrajectory,
@@ -530,17 +531,7 @@ def _trajectory_head(
     return trajectory
 
 
-LOSS_MASK_KEY = bytes([common_pb2.Trajectory.LOSS_MASK_FIELD_NUMBER << 3 | 2])
-"""loss_mask's key in the wire format: a packed (length-delimited) field."""
-
-
 def set_all_true_mask(trajectory: common_pb2.Trajectory, tokens: int) -> None:
     """Append ``tokens`` trues to ``loss_mask``, merged from their packed encoding: the model's
     own tokens all count, and parsing them costs a fraction of converting as many Python bools."""
-    length, rest = bytearray(), tokens
-    while True:  # the payload's length as a base-128 varint
-        low, rest = rest & 0x7F, rest >> 7
-        length.append(low | (0x80 if rest else 0))
-        if not rest:
-            break
-    trajectory.MergeFromString(LOSS_MASK_KEY + bytes(length) + b"\x01" * tokens)
+    trajectory.MergeFromString(record(common_pb2.Trajectory.LOSS_MASK_FIELD_NUMBER, b"\x01" * tokens))
