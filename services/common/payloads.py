@@ -51,31 +51,44 @@ def _check(message_type: type[Message]) -> Callable[[PayloadCheck], PayloadCheck
 
 def unknown_fields(message: Message, prefix: str = "") -> list[str]:
     """Paths of the fields ``message`` holds that its schema lacks ("5", "stages.9", ...)."""
-    found = [f"{prefix}{field.field_number}" for field in UnknownFieldSet(message)]
-    for name, shape in _message_fields(message.DESCRIPTOR):
-        if shape == _SINGLE and not message.HasField(name):
-            continue
-        value = getattr(message, name)
-        items = [value] if shape == _SINGLE else value.values() if shape == _MAP else value
+    found = _own_unknown(message, prefix)
+    for name, shape, leaf in _message_fields(message.DESCRIPTOR):
+        value = getattr(message, name)  # an unset message reads as an empty default: no HasField
+        items = (value,) if shape == _SINGLE else value.values() if shape == _MAP else value
         for item in items:
-            found += unknown_fields(item, f"{prefix}{name}.")
+            found += (
+                _own_unknown(item, f"{prefix}{name}.") if leaf else unknown_fields(item, f"{prefix}{name}.")
+            )
     return found
 
 
+def _own_unknown(message: Message, prefix: str) -> list[str]:
+    unknown = UnknownFieldSet(message)
+    return [f"{prefix}{field.field_number}" for field in unknown] if len(unknown) else []
+
+
 @functools.cache
-def _message_fields(descriptor: Descriptor) -> tuple[tuple[str, str], ...]:
-    """The fields of a message type that hold messages, and how: one, repeated, or map values."""
+def _message_fields(descriptor: Descriptor) -> tuple[tuple[str, str, bool], ...]:
+    """The fields of a message type that hold messages: how (one, repeated, or map values), and
+    whether that type holds no messages itself (a leaf: its own unknown fields are all it can
+    have; most payloads' messages are Timestamps and StageTimes, checked without a recursion)."""
     fields = []
     for field in descriptor.fields:
         kind = field.message_type
         if kind is None:
             continue
         if kind.GetOptions().map_entry:
-            if kind.fields_by_name["value"].message_type is not None:
-                fields.append((field.name, _MAP))
+            kind = kind.fields_by_name["value"].message_type
+            if kind is not None:
+                fields.append((field.name, _MAP, _is_leaf(kind)))
         else:
-            fields.append((field.name, _REPEATED if field.is_repeated else _SINGLE))
+            shape = _REPEATED if field.is_repeated else _SINGLE
+            fields.append((field.name, shape, _is_leaf(kind)))
     return tuple(fields)
+
+
+def _is_leaf(descriptor: Descriptor) -> bool:
+    return all(field.message_type is None for field in descriptor.fields)
 
 
 def payload_problem(message: Message, stream: str) -> str | None:

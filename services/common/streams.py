@@ -8,6 +8,7 @@ keys of several jobs is split by slot on a cluster (bus.read_many, the job store
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -113,6 +114,7 @@ class JobStreams:
         )
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every entry read; a process reads few streams
 def job_of_stream(stream: str) -> str | None:
     """The job a stream belongs to (``verst:job:{<id>}:<kind>``); None for other streams."""
     match = _JOB_KEY.match(stream)

@@ -142,3 +142,14 @@ def test_a_producer_cannot_make_a_non_finite_metric() -> None:
     with pytest.raises(NonFiniteMetricError, match=r"job job-1 step 3: .* not trainer/loss=nan"):
         metric_message("job-1", "trainer", {"loss": float("nan"), "kl": 0.0}, step=3, policy_version=3)
     assert metric_message("job-1", "trainer", {"loss": 0.5}, step=3, policy_version=3).values["loss"] == 0.5
+
+
+def test_unknown_fields_of_maps_and_repeated_messages_are_found() -> None:
+    """Map values and repeated messages, leaves (their types hold no messages) or not."""
+    metric = common_pb2.Metric(step=1)
+    assert unknown_fields(metric) == []
+    handle = common_pb2.CheckpointHandle(job_id="job-1", uri="file:///x")
+    handle.broadcast.tensors.add(name="a")
+    handle.broadcast.tensors.add(name="b").MergeFromString(common_pb2.Metric(step=3).SerializeToString())
+    handle.created_at.MergeFromString(common_pb2.PromptTask(prompt_id="x").SerializeToString())
+    assert unknown_fields(handle) == ["created_at.1", "broadcast.tensors.2"]
