@@ -526,8 +526,10 @@ def _trajectory_head(
     trajectory.finish_reason = completion.finish_reason
     trajectory.num_turns = 1
     trajectory.engine_id = engine_id
-    if score.components:
-        trajectory.reward_components.update(score.components)
+    if score.components:  # key by key: a map's update() runs MutableMapping's Python code
+        components, scored = trajectory.reward_components, score.components
+        for name in scored:
+            components[name] = scored[name]
     return trajectory
 
 
