@@ -44,7 +44,8 @@ SHARED_FAILURES = frozenset(
 """Failures of a whole batch that are every member's (the service, the link or the time): the
 other codes send the members again one by one."""
 HEAP_SWEEP_AT = 4096
-"""Watched deadlines past which answered calls are swept from the heap (then every as many more)."""
+"""Watched deadlines past which answered calls behind a waiting one are swept from the heap (then
+every as many more)."""
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 CHECK_TIMEOUT_S = 10.0
 """Deadline of the CheckVerifier that tells whether a verifier needs token ids."""
@@ -87,8 +88,14 @@ class _Deadlines:
 
     def watch(self, call: _Call[Any, Any], loop: asyncio.AbstractEventLoop) -> None:
         assert call.deadline is not None
-        if len(self._heap) >= HEAP_SWEEP_AT and len(self._heap) % HEAP_SWEEP_AT == 0:
-            self._sweep()  # answered calls stay in the heap until then: bound it
+        heap = self._heap
+        # Calls mostly end in the order they came, so the answered ones are at the top: dropped
+        # here, they do not hold their requests and replies (a step's samples, megabytes) alive
+        # until a sweep. The sweep bounds those behind a call still waiting.
+        while heap and heap[0][2].future.done():
+            heapq.heappop(heap)
+        if len(heap) >= HEAP_SWEEP_AT and len(heap) % HEAP_SWEEP_AT == 0:
+            self._sweep()
         self._count += 1
         heapq.heappush(self._heap, (call.deadline, self._count, call))
         if self._timer is None or call.deadline < self._timer.when():

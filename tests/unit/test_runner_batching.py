@@ -275,10 +275,21 @@ async def test_answered_calls_do_not_pile_up_behind_their_deadlines() -> None:
     """One timer watches every deadline; the calls answered long before theirs are swept."""
     stub = FakeRouterStub()
     router = router_over(stub, max_calls=16)  # full batches go at once: no window to wait
+    for _ in range(HEAP_SWEEP_AT // 16 + 40):  # past a sweep, and far from the next
+        await asyncio.gather(*(router.Generate(request(f"r{i}"), timeout=3600) for i in range(16)))
+    watched = router._calls._deadlines._heap
+    assert len(watched) <= 16, "answered calls (and their replies) are dropped by the next call"
+    # a call left waiting keeps those behind it until a sweep
+    slow = [asyncio.create_task(router.Generate(request(f"slow{i}"), timeout=3600)) for i in "ab"]
+    stub.hold = {"slowa"}
+    await asyncio.sleep(2 * WINDOW_S)
     for _ in range(2 * HEAP_SWEEP_AT // 16 + 1):
         await asyncio.gather(*(router.Generate(request(f"r{i}"), timeout=3600) for i in range(16)))
-    watched = router._calls._deadlines._heap  # the bound is the point
-    assert len(watched) <= HEAP_SWEEP_AT
+    watched = router._calls._deadlines._heap
+    assert len(watched) <= HEAP_SWEEP_AT and watched[0][2].item.request_id == "slowa"
+    stub.release.set()
+    assert [(await call).request_id for call in slow] == ["slowa", "slowb"]
+    stub.release.clear()
     stub.hold = {"late"}  # and a deadline still fires after sweeps
     late = asyncio.create_task(router.Generate(request("late"), timeout=0.05))
     kept = asyncio.create_task(router.Generate(request("kept"), timeout=30))
