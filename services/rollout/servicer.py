@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -111,12 +113,47 @@ Delivered = Completion | TokenIncrement | Exception
 """What reaches a request's queue: a sample's new token, a finished sample, or the request's failure."""
 
 
+class LoopHandoff:
+    """Calls from the engine's thread to run on the event loop, in the order they came, with one
+    wake-up of the loop for all that come before it runs them: a wake-up for each finished sample
+    (a write to the loop's self-pipe, then a turn of the loop) cost the engine more than the
+    sample's delivery."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[Any], None], Any]] = []
+
+    def post(self, call: Callable[[Any], None], argument: Any) -> None:
+        """Run ``call(argument)`` on the loop soon (any thread); raises RuntimeError once the loop
+        is closed, as ``call_soon_threadsafe`` does."""
+        with self._lock:
+            self._pending.append((call, argument))
+            if len(self._pending) > 1:  # a wake-up is already on its way and will run this too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._run_pending)
+        except RuntimeError:
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _run_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for call, argument in pending:
+            try:
+                call(argument)
+            except Exception:  # one delivery's bug must not drop the others'
+                log.exception("a handed-off call failed")
+
+
 class Delivery:
     """Hands one request's completions from the engine (any thread) to its caller's queue,
     counting them on the event loop (also those whose caller has gone: their tokens were made)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics) -> None:
-        self.loop = loop
+    def __init__(self, handoff: LoopHandoff, metrics: EngineMetrics) -> None:
+        self.handoff = handoff
         self.metrics = metrics
         self.queue: asyncio.Queue[Delivered] = asyncio.Queue()
         self.request: GenerationRequest | None = None
@@ -124,15 +161,15 @@ class Delivery:
 
     def __call__(self, completion: Completion) -> None:
         """The request's on_completion."""
-        self.loop.call_soon_threadsafe(self._deliver, completion)
+        self.handoff.post(self._deliver, completion)
 
     def token(self, index: int, token: int, logprob: float, version: int) -> None:
         """The request's on_tokens, for streaming requests."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, TokenIncrement(index, token, logprob, version))
+        self.handoff.post(self.queue.put_nowait, TokenIncrement(index, token, logprob, version))
 
     def fail(self, err: Exception) -> None:
         """The request's on_error."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, err)
+        self.handoff.post(self.queue.put_nowait, err)
 
     def _deliver(self, completion: Completion) -> None:
         self.metrics.completed(len(completion.token_ids), completion.finish_reason)
@@ -251,6 +288,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.metrics = metrics
         self.engine_id = info.engine_id
         self.jobs = JobRequests()
+        self._handoff: LoopHandoff | None = None
+
+    def _loop_handoff(self) -> LoopHandoff:
+        """The running loop's handoff, made on first use (the servicer is built before the loop)."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = LoopHandoff(loop)
+        return self._handoff
 
     async def _submit(
         self, request: rollout_pb2.GenerateRequest, *, stream: bool = False
@@ -282,7 +327,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if request.min_policy_version > 0 and request.job_id:
             version = (request.min_policy_epoch, request.min_policy_version)
             await self.loader.wait_for_version(request.job_id, version, self.version_wait_s)
-        delivery = Delivery(asyncio.get_running_loop(), self.metrics)
+        delivery = Delivery(self._loop_handoff(), self.metrics)
         generation = GenerationRequest(
             request_id=request.request_id or f"req-{uuid.uuid4().hex}",
             prompt=list(request.prompt_token_ids),
