@@ -166,6 +166,22 @@ def metric_message(
     return metric
 
 
+def newest_good(
+    entries: Sequence[tuple[bytes, dict[bytes, bytes]]], message_type: type[M], stream: str
+) -> tuple[M | None, list[str]]:
+    """The first good message of ``entries`` (newest first), logging the bad ones passed over on
+    the way; else None and why each was bad."""
+    reasons = []
+    for raw_id, fields in entries:
+        message, reason = decode_entry(fields, message_type, stream)
+        if message is not None:
+            if reasons:
+                log.warning("%s: passed over %d bad entries: %s", stream, len(reasons), reasons[0])
+            return message, reasons
+        reasons.append(f"{raw_id.decode()}: {reason}")
+    return None, reasons
+
+
 class Bus:
     """Publish, consume, ack, reclaim and dead-letter protos on Redis streams."""
 
@@ -299,15 +315,9 @@ class Bus:
         entries = await self.redis.xrevrange(stream, count=LATEST_SCAN)
         if not entries:
             return "0-0", None
-        newest_id = entries[0][0].decode()
-        reasons = []
-        for raw_id, fields in entries:
-            message, reason = decode_entry(fields, message_type, stream)
-            if message is not None:
-                if reasons:
-                    log.warning("%s: passed over %d bad entries: %s", stream, len(reasons), reasons[0])
-                return newest_id, message
-            reasons.append(f"{raw_id.decode()}: {reason}")
+        message, reasons = newest_good(entries, message_type, stream)
+        if message is not None:
+            return entries[0][0].decode(), message
         raise TypeError(
             f"none of the newest {len(entries)} entries of {stream} is a good "
             f"{message_type.DESCRIPTOR.full_name}: {reasons[0]}"
@@ -320,6 +330,25 @@ class Bus:
             raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
         reply = await self.redis.xread({stream: after_id}, count=1, block=block_ms)
         return reply[0][1][0][0].decode() if reply and reply[0][1] else None
+
+    async def wait_newest(
+        self, stream: str, after_id: str, message_type: type[M], *, block_ms: int
+    ) -> tuple[str, M | None] | None:
+        """Wait at most ``block_ms`` for entries newer than ``after_id``, without a consumer
+        group; then the newest's id and good message, as ``newest`` gives them, from the same
+        read (a follower that waits and then reads the newest pays two round trips a version).
+        None when nothing came in time."""
+        if not 0 < block_ms <= self.block_limit_ms:
+            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        reply = await self.redis.xread({stream: after_id}, count=LATEST_SCAN, block=block_ms)
+        entries = reply[0][1] if reply else []
+        if not entries:
+            return None
+        if len(entries) < LATEST_SCAN:  # all that came: otherwise the newest lies beyond them
+            message, _ = newest_good(entries[::-1], message_type, stream)
+            if message is not None:
+                return entries[-1][0].decode(), message
+        return await self.newest(stream, message_type)  # looks further back, or names the bad ones
 
     async def newest_id(self, stream: str) -> str:
         """The id of the stream's newest entry ("0-0" when it is empty or missing)."""

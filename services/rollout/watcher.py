@@ -160,6 +160,8 @@ class WeightWatcher:
         self._last_error = ""
         self._watched: tuple[str, str] | None = None
         """(job, checkpoints-stream entry id) last looked at."""
+        self._woken: tuple[str, str, common_pb2.CheckpointHandle | None] | None = None
+        """(job, entry id, handle): the newest handle that the blocking read woke with, not looked at yet."""
         self._job: str | None = None
         self._job_read_at = 0.0
         """When the newest running job (``_job``) was last read (monotonic seconds)."""
@@ -188,7 +190,10 @@ class WeightWatcher:
         job_id, seen = self._watched
         if not stop.is_set():
             block_ms = min(int(self.poll_s * 1000), self.bus.block_limit_ms)
-            await self.bus.wait_newer(JobStreams(job_id).checkpoints, seen, block_ms=block_ms)
+            stream = JobStreams(job_id).checkpoints
+            newest = await self.bus.wait_newest(stream, seen, common_pb2.CheckpointHandle, block_ms=block_ms)
+            if newest is not None:
+                self._woken = (job_id, *newest)
 
     async def check(self) -> bool:
         """Load the newest running job's newest checkpoint if the engine lacks it; True if loaded."""
@@ -196,9 +201,13 @@ class WeightWatcher:
         if job_id is None:
             self._watched = None
             return False
-        stream = JobStreams(job_id).checkpoints
-        # The newest id with the handle: one published after it wakes the next wait at once.
-        seen, handle = await self.bus.newest(stream, common_pb2.CheckpointHandle)
+        # The newest id with the handle: one published after it wakes the next wait at once. The
+        # wait that woke the watcher read them already, unless the job to watch changed since.
+        woken, self._woken = self._woken, None
+        if woken is not None and woken[0] == job_id:
+            seen, handle = woken[1], woken[2]
+        else:
+            seen, handle = await self.bus.newest(JobStreams(job_id).checkpoints, common_pb2.CheckpointHandle)
         self._watched = (job_id, seen)
         if handle is None:
             return False

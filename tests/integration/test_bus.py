@@ -334,6 +334,31 @@ async def test_wait_newer_returns_at_once_for_an_entry_after_the_one_seen(bus: B
         await bus.wait_newer(stream, first, block_ms=0)
 
 
+async def test_wait_newest_returns_the_newest_good_handle_from_its_own_read(bus: Bus) -> None:
+    stream = STREAMS.checkpoints
+    assert await bus.wait_newest(stream, "0-0", common_pb2.CheckpointHandle, block_ms=50) is None
+    first = await bus.publish(stream, handle(1))
+    second = await bus.publish(stream, handle(2))
+    await bus.redis.xadd(stream, {"junk": b"not a handle"})  # the newest entry is bad: passed over
+    got = await bus.wait_newest(stream, "0-0", common_pb2.CheckpointHandle, block_ms=50)
+    assert got is not None and got[1] is not None and got[1].version == 2
+    assert got[0] == await bus.newest_id(stream) and got[0] not in (first, second)
+    waiting = asyncio.create_task(bus.wait_newest(stream, got[0], common_pb2.CheckpointHandle, block_ms=5000))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    third = await bus.publish(stream, handle(3))
+    woke = await asyncio.wait_for(waiting, 2.0)
+    assert woke is not None and woke[0] == third and woke[1] is not None and woke[1].version == 3
+    # More entries than one read takes: the newest comes from the stream's end, not the read's.
+    for version in range(4, 4 + LATEST_SCAN + 2):
+        last = await bus.publish(stream, handle(version))
+    behind = await bus.wait_newest(stream, third, common_pb2.CheckpointHandle, block_ms=50)
+    assert behind is not None and behind[0] == last and behind[1] is not None
+    assert behind[1].version == 3 + LATEST_SCAN + 2
+    with pytest.raises(ValueError, match="block_ms"):
+        await bus.wait_newest(stream, third, common_pb2.CheckpointHandle, block_ms=0)
+
+
 async def test_reclaim_follows_the_cursor_past_live_entries(bus: Bus) -> None:
     """Idle entries far down the pending list are found, not only the first ones scanned."""
     stream = STREAMS.trajectories

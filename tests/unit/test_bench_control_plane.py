@@ -100,3 +100,17 @@ def test_trainer_simulator_takes_whole_groups_and_keeps_duplicates_for_the_ack()
     assert [[d.message.id for d in group] for group in taken] == [["a:0", "a:1"], ["b:0", "b:1"]]
     assert [d.entry_id for d in steps.extra] == ["2-0"]  # a:0 delivered twice
     assert steps.take(1) is None
+
+
+def test_canned_samples_are_built_once_per_version_while_engines_serve_several() -> None:
+    samples = CannedSamples(6)
+    first = {version: samples.completions_wire(2, 6, version) for version in (1, 2)}
+    for _ in range(3):  # engines a version apart take turns: neither version is built again
+        for version in (1, 2):
+            assert samples.completions_wire(2, 6, version) is first[version]
+    assert rollout_pb2.GenerateResponse.FromString(first[2]).completions[1].policy_versions == [2] * 6
+    kept = samples.completion(0, 6, 2)
+    for version in range(3, 3 + CannedSamples.VERSIONS_KEPT):  # newer versions push the oldest out
+        samples.completions_wire(2, 6, version)
+    assert samples.completion(0, 6, 2) is not kept
+    assert len(samples._made) == CannedSamples.VERSIONS_KEPT
