@@ -121,6 +121,21 @@ def test_tensorboard_scalars_read_back_exactly_in_the_checkpoint_directory(tmp_p
     assert {wall for *_, wall in scalar_events(directory)} == {1000.0 + s for s in range(1, 6)}
 
 
+def test_tensorboard_writes_a_row_as_one_event(tmp_path: Path) -> None:
+    """A row's scalars share one event (a record, two checksums and a trip through tensorboardX's
+    queue each), which TensorBoard reads as the same scalars (above)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    from services.controller.trackers import event_records
+
+    spec = spec_with(tmp_path, {"type": "tensorboard"})
+    assert tracked(spec, tmp_path, rows(range(1, 4))) == []
+    files = list((tmp_path / "runs" / JOB / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    events = [Event.FromString(record) for path in files for record in event_records(path)]
+    summaries = [event for event in events if event.HasField("summary")]
+    assert [(e.step, len(e.summary.value)) for e in summaries] == [(1, 2), (2, 2), (3, 2)]
+
+
 def test_tensorboard_records_are_checksummed_in_c() -> None:
     """tensorboardX checksums each record with the ``crc32c`` package when it is installed (a
     dependency), else in Python (~47 us a 200-byte record, two checksums a scalar). The event
