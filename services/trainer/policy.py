@@ -412,6 +412,10 @@ class Policy:
             lr_scheduler=learning_rate_schedule(optimizer, trainer, completed_versions),
             config=config,
         )
+        if distributed.size() == 1 and zero_stage(trainer) == 0:
+            # One rank: DeepSpeed's all-reduce would flatten every gradient, reduce it with itself
+            # and copy it back, each micro-batch (ZeRO's stages keep theirs: it moves their shards).
+            engine.enable_backward_allreduce = False
         if training_state is not None:
             _restore_training_state(engine, training_state, zero_stage(trainer), spec.model.lora is not None)
         freeze_long_lived_objects()  # the model, the engine and their modules live for the job

@@ -306,3 +306,25 @@ async def test_a_ppo_job_with_every_regulariser_trains_and_reports(
     assert not torch.equal(saved["weight"], initial)
     critic = Critic.load(parse_job_spec(spec), v2 / CRITIC_DIR, CPU)
     assert torch.equal(critic.head.weight.detach(), saved["weight"])
+
+
+def test_one_rank_skips_deepspeeds_all_reduce_and_trains_the_same_weights(model_dir: Path) -> None:  # noqa: F811
+    """With one rank and no ZeRO the engine's all-reduce is off; forced back on, the same steps
+    (several micro-batches each) give the very same weights."""
+    spec = spec_of(model_dir, {"max_staleness": 3})
+    groups = fixed_groups(model_dir)
+    trained = []
+    for all_reduce in (False, True):
+        policy = load_policy(spec, model_dir)
+        try:
+            assert policy.engine.enable_backward_allreduce is False
+            policy.engine.enable_backward_allreduce = all_reduce
+            for step in range(2):
+                prepared = prepare(groups, spec, step, policy)
+                policy.optimise(prepared.samples, seed=step, proximal=prepared.proximal)
+            trained.append({k: v.detach().clone() for k, v in policy.engine.module.state_dict().items()})
+        finally:
+            policy.close()
+    without, with_all_reduce = trained
+    assert without.keys() == with_all_reduce.keys()
+    assert all(torch.equal(without[k], with_all_reduce[k]) for k in without)
