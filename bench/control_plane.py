@@ -360,12 +360,14 @@ def run(
         try:
             sims.start_trainer()
             submit(stack.api_url, job_spec(sizes))
-            print("\n".join(header(CONTROL_PLANE)), flush=True)
+            # the columns of the final table: the controller's only when it runs apart
+            live = [name for name in CONTROL_PLANE if separate or name != "controller"]
+            print("\n".join(header(live)), flush=True)
             for engines in sizes.engines:
                 window = measure(stack, sims, client, engines, sizes, profile)
                 window.profiles = {name: profile_dir / f"{name}-{len(windows) + 1}.prof" for name in profile}
                 windows.append(window)
-                print(row(window), flush=True)
+                print(row(window, live), flush=True)
         finally:
             client.close()
             sims.stop()
