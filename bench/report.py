@@ -35,7 +35,7 @@ BUSY_MACHINE = 0.1
 
 def machine(url: str, *, embedded: bool) -> dict[str, str]:
     """What the figures depend on: CPU, memory, Python, the Redis server and its client."""
-    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?"
+    model = cpu_model()
     mem_kb = int((_proc_field("/proc/meminfo", "MemTotal") or "0 kB").split()[0])
     client = redis.Redis.from_url(url)
     try:
@@ -56,6 +56,11 @@ def machine(url: str, *, embedded: bool) -> dict[str, str]:
         "redis-py": f"{redis.__version__}, hiredis parser {hiredis}",
         "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()} backend)",
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name."""
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "?"
 
 
 def _proc_field(path: str, key: str) -> str:

@@ -46,6 +46,11 @@ SMOKE_RUNS: dict[str, Smoke] = {
         r"bus: \d+ trajectories/s \(raw xadd \d+/s\)",
         slow=False,
     ),
+    "bench/grpc_calls.py": Smoke(
+        "--no-results --calls 64 --fanout 8 --repeat 1 --reply-bytes 1024",
+        rf"grpc-calls: unary_us={NUMBER} stream_us={NUMBER} ratio={NUMBER}",
+        slow=False,
+    ),
     "bench/engine.py": Smoke(
         "--no-results --models demo --batches 1 --max-new-tokens 4 --repeat 1 --warmup 0 --warmup-tokens 1"
         " --min-seconds 0 --quiet-wait 0 --compile none --threads 1",
