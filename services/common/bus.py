@@ -201,6 +201,11 @@ class Bus:
         timeout = socket_timeout_of(client)
         self.block_limit_ms = block_limit_ms or int(((timeout or 30.0) - 1.0) * 1000)
 
+    def _check_block(self, block_ms: int) -> None:
+        """A blocking read must end before the client's socket timeout would cut it off."""
+        if not 0 < block_ms <= self.block_limit_ms:
+            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+
     @classmethod
     def from_url(
         cls,
@@ -311,7 +316,7 @@ class Bus:
     async def newest(self, stream: str, message_type: type[M]) -> tuple[str, M | None]:
         """The id of the stream's newest entry ("0-0" when it is empty or missing) and its
         newest good message (as ``latest``), read in one round trip: an entry published after
-        the id wakes a ``wait_newer`` from it at once."""
+        the id wakes a ``wait_newer`` or ``wait_newest`` from it at once."""
         entries = await self.redis.xrevrange(stream, count=LATEST_SCAN)
         if not entries:
             return "0-0", None
@@ -326,8 +331,7 @@ class Bus:
     async def wait_newer(self, stream: str, after_id: str, *, block_ms: int) -> str | None:
         """Wait at most ``block_ms`` for an entry newer than ``after_id`` (``"$"``: newer than
         the newest now), without a consumer group; the first such entry's id, or None."""
-        if not 0 < block_ms <= self.block_limit_ms:
-            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        self._check_block(block_ms)
         reply = await self.redis.xread({stream: after_id}, count=1, block=block_ms)
         return reply[0][1][0][0].decode() if reply and reply[0][1] else None
 
@@ -338,8 +342,7 @@ class Bus:
         group; then the newest's id and good message, as ``newest`` gives them, from the same
         read (a follower that waits and then reads the newest pays two round trips a version).
         None when nothing came in time."""
-        if not 0 < block_ms <= self.block_limit_ms:
-            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        self._check_block(block_ms)
         reply = await self.redis.xread({stream: after_id}, count=LATEST_SCAN, block=block_ms)
         entries = reply[0][1] if reply else []
         if not entries:
@@ -378,8 +381,7 @@ class Bus:
         block_ms: int = 1000,
     ) -> list[Delivery[M]]:
         """New entries for this consumer, waiting at most ``block_ms`` for the first."""
-        if not 0 < block_ms <= self.block_limit_ms:
-            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        self._check_block(block_ms)
         reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
         entries = reply[0][1] if reply else []
         return await self._decode_all(stream, group, consumer, message_type, entries, {})
@@ -397,8 +399,7 @@ class Bus:
         group, in one XREADGROUP: one connection, waiting at most ``block_ms`` for the first entry
         of any; at most ``count`` per stream. Every stream asked for has a list, maybe empty.
         On a cluster, one XREADGROUP per hash slot (a job's streams share one), run together."""
-        if not 0 < block_ms <= self.block_limit_ms:
-            raise ValueError(f"block_ms must be in (0, {self.block_limit_ms}] (below the socket timeout)")
+        self._check_block(block_ms)
         replies = await asyncio.gather(
             *(
                 self.redis.xreadgroup(group, consumer, dict.fromkeys(names, ">"), count=count, block=block_ms)
