@@ -268,6 +268,11 @@ async def trainer_signals(bus: Bus, job_id: str) -> list[common_pb2.TrainerSigna
     return await stream_messages(bus, JobStreams(job_id).control, common_pb2.TrainerSignal)
 
 
+async def submission_acked(bus: Bus) -> bool:
+    """Whether no job submission is left pending in the trainers' group."""
+    return await bus.pending_count(JOBS, JOB_GROUP) == 0
+
+
 async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Path, tmp_path: Path) -> None:
     job_id, runs = "tiny-0001", tmp_path / "runs"
     streams = JobStreams(job_id)
@@ -303,7 +308,8 @@ async def test_a_job_trains_checkpoints_acks_and_resumes(bus: Bus, model_dir: Pa
         steps = worker.metrics.registry.get_sample_value
         assert steps("verst_trainer_steps_total") == 2
         assert steps("verst_trainer_step_stage_seconds_count", {"stage": "optimise"}) == 2
-        assert await bus.pending_count(JOBS, JOB_GROUP) == 0
+        # The trainer reports the job's end first and acks its submission right after.
+        await eventually(lambda: submission_acked(bus), "the job's submission acked", timeout_s=DEADLINE_S)
         assert await bus.pending_count(streams.trajectories, TRAJECTORY_GROUP) == 0
         idle = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
         assert idle.state == trainer_pb2.TRAINER_STATE_IDLE
