@@ -37,8 +37,9 @@ $(STAMP): pyproject.toml $(NODE_EXAMPLE)/package-lock.json
 	$(NPM) ci --prefix $(NODE_EXAMPLE) --no-audit --no-fund --loglevel=error >/dev/null
 	@touch $@
 
+# --durations: the slowest tests, in every run's log, so that the suite's 30-minute budget stays in sight.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not e2e and not slow' $(PYTEST_ARGS)
